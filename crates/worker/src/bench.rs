@@ -1,0 +1,281 @@
+//! Engine benchmarks (`bellows-worker bench`): single-stream decode, aggregate decode under
+//! concurrency, time to first token cold and with a cached prefix, and inter-token latency of
+//! running streams while a long prompt arrives, chunked against unchunked. Prints one JSON object.
+//!
+//! Timestamps are taken where a client would see them: when each event leaves the engine's
+//! channel. Numbers are only comparable within one run on a quiet machine.
+
+use std::{
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use crate::{
+    engine::{Engine, EngineConfig, EngineHandle},
+    load::{default_model_path, load_gguf},
+    model::llama::LoadOptions,
+    request::{Event, GenerateRequest, Usage},
+    sampling::SamplingParams,
+    tokenizer::ModelTokenizer,
+};
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// GGUF model file [default: the default model].
+    #[arg(long, env = "BELLOWS_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Which benchmarks: all, decode, batch, ttft, itl (comma-separated).
+    #[arg(long, default_value = "all")]
+    pub suite: String,
+    /// Tokens per stream for the decode benchmarks.
+    #[arg(long, default_value_t = 128)]
+    pub decode_tokens: u32,
+    /// Concurrency levels for the aggregate decode benchmark.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16,32")]
+    pub concurrency: Vec<usize>,
+    /// Repetitions (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Prefill token budget per step for the chunked ITL case.
+    #[arg(long, default_value_t = 64)]
+    pub itl_chunk: usize,
+}
+
+/// What one stream saw.
+struct Trace {
+    submitted: Instant,
+    tokens: Vec<Instant>,
+    usage: Usage,
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+    let mut r = GenerateRequest::new(prompt, SamplingParams::greedy(), max_tokens);
+    r.ignore_eos = true;
+    r
+}
+
+/// Run one request to its end (or until `stop` is set), recording token arrival times.
+fn run_stream(h: &EngineHandle, req: GenerateRequest, stop: Option<&AtomicBool>) -> Result<Trace> {
+    let submitted = Instant::now();
+    let mut rx = h.submit(req)?;
+    let mut tokens = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Token { .. } => {
+                tokens.push(Instant::now());
+                if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+                    return Ok(Trace { submitted, tokens, usage: Usage::default() });
+                }
+            }
+            Event::Finished { usage, .. } => return Ok(Trace { submitted, tokens, usage }),
+            Event::Failed { message } => bail!("request failed: {message}"),
+        }
+    }
+    bail!("stream ended without finishing")
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+}
+
+fn percentile(v: &[f64], q: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { 0.0 } else { v[((v.len() - 1) as f64 * q).round() as usize] }
+}
+
+struct Ctx {
+    path: PathBuf,
+    tok: Arc<ModelTokenizer>,
+}
+
+impl Ctx {
+    fn engine(&self, cfg: EngineConfig) -> Result<Engine> {
+        let (model, _) = load_gguf(&self.path, &LoadOptions::default(), None)?;
+        Engine::start(Box::new(model), self.tok.clone(), cfg)
+    }
+
+    /// `n` tokens of varied English text (so the prefix cache only hits what we make it hit).
+    fn long_prompt(&self, n: usize, seed: usize) -> Result<Vec<u32>> {
+        let mut text = String::new();
+        let mut i = seed * 1000;
+        let mut ids = Vec::new();
+        while ids.len() < n {
+            for _ in 0..50 {
+                text.push_str(&format!(
+                    "Report {i}: the river station measured {} millimetres of rain and {} visitors. ",
+                    i * 7 % 113,
+                    i * 13 % 997
+                ));
+                i += 1;
+            }
+            ids = self.tok.encode(&text, false)?;
+        }
+        ids.truncate(n);
+        Ok(ids)
+    }
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let path = a.model.clone().unwrap_or_else(default_model_path);
+    let (_, tok) = load_gguf(&path, &LoadOptions::default(), None)?;
+    let ctx = Ctx { path, tok: Arc::new(tok) };
+    let all = a.suite == "all";
+    let want = |s: &str| all || a.suite.split(',').any(|x| x == s);
+    let mut out = json!({
+        "model": ctx.path.file_name().map(|f| f.to_string_lossy().into_owned()),
+        "threads": rayon::current_num_threads(),
+    });
+    if want("decode") {
+        out["single_stream"] = bench_decode(&ctx, &a)?;
+        eprintln!("single_stream: {}", out["single_stream"]);
+    }
+    if want("batch") {
+        out["aggregate"] = bench_batch(&ctx, &a)?;
+        eprintln!("aggregate: {}", out["aggregate"]);
+    }
+    if want("ttft") {
+        out["ttft"] = bench_ttft(&ctx, &a)?;
+        eprintln!("ttft: {}", out["ttft"]);
+    }
+    if want("itl") {
+        out["itl_during_long_prefill"] = bench_itl(&ctx, &a)?;
+        eprintln!("itl: {}", out["itl_during_long_prefill"]);
+    }
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+fn bench_decode(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
+    let engine = ctx.engine(EngineConfig::default())?;
+    let prompt = ctx.tok.encode("Once upon a time", false)?;
+    let mut rates = Vec::new();
+    for _ in 0..a.repeat {
+        let t = run_stream(&engine.handle(), greedy(prompt.clone(), a.decode_tokens), None)?;
+        let span = (*t.tokens.last().context("no tokens")? - t.tokens[0]).as_secs_f64();
+        rates.push((t.tokens.len() - 1) as f64 / span);
+    }
+    Ok(json!({ "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens, "decode_tok_s": median(rates.clone()), "runs": rates }))
+}
+
+fn bench_batch(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
+    let engine = ctx.engine(EngineConfig::default())?;
+    let mut rows = Vec::new();
+    for &c in &a.concurrency {
+        let mut rates = Vec::new();
+        for r in 0..a.repeat {
+            let traces = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..c)
+                    .map(|i| {
+                        let h = engine.handle();
+                        let p = ctx.tok.encode(&format!("Story {r}-{i}: Once upon a time"), false);
+                        let n = a.decode_tokens;
+                        s.spawn(move || run_stream(&h, greedy(p?, n), None))
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().expect("stream thread")).collect::<Result<Vec<_>>>()
+            })?;
+            // Steady state: from when every stream has its first token to when the first ends.
+            let from = traces.iter().map(|t| t.tokens[0]).max().context("no streams")?;
+            let to = traces.iter().map(|t| *t.tokens.last().expect("tokens")).min().context("no streams")?;
+            let n: usize = traces.iter().map(|t| t.tokens.iter().filter(|&&x| x > from && x <= to).count()).sum();
+            rates.push(n as f64 / (to - from).as_secs_f64());
+        }
+        let agg = median(rates);
+        rows.push(json!({ "streams": c, "aggregate_tok_s": agg }));
+        eprintln!("  {c} streams: {agg:.1} tok/s");
+    }
+    let single = rows.first().and_then(|r| r["aggregate_tok_s"].as_f64()).unwrap_or(0.0);
+    for r in &mut rows {
+        let x = r["aggregate_tok_s"].as_f64().unwrap_or(0.0);
+        r["x_single"] = json!(if single > 0.0 { x / single } else { 0.0 });
+    }
+    Ok(Value::Array(rows))
+}
+
+fn bench_ttft(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
+    let engine = ctx.engine(EngineConfig::default())?;
+    let h = engine.handle();
+    let (mut cold, mut warm, mut cached) = (Vec::new(), Vec::new(), 0);
+    for r in 0..a.repeat {
+        let prompt = ctx.long_prompt(1000, r)?;
+        let ttft = |t: &Trace| (t.tokens[0] - t.submitted).as_secs_f64() * 1000.0;
+        let mut req = greedy(prompt.clone(), 1);
+        req.cache_salt = Some(format!("cold-{r}"));
+        cold.push(ttft(&run_stream(&h, req, None)?));
+
+        let salt = Some(format!("warm-{r}"));
+        let mut fill = greedy(prompt[..900].to_vec(), 1);
+        fill.cache_salt = salt.clone();
+        run_stream(&h, fill, None)?;
+        let mut req = greedy(prompt, 1);
+        req.cache_salt = salt;
+        let t = run_stream(&h, req, None)?;
+        cached = t.usage.cached_tokens;
+        warm.push(ttft(&t));
+    }
+    let (c, w) = (median(cold.clone()), median(warm.clone()));
+    Ok(json!({
+        "prompt_tokens": 1000, "cached_prefix_tokens": cached,
+        "cold_ms": c, "cached_ms": w, "speedup": c / w, "cold_runs": cold, "cached_runs": warm,
+    }))
+}
+
+fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
+    let mut out = serde_json::Map::new();
+    for (name, budget) in [("chunked", a.itl_chunk), ("unchunked", 2048 + 64)] {
+        let engine = ctx.engine(EngineConfig { max_batch_tokens: budget, max_running: 8.min(budget), ..Default::default() })?;
+        let h = engine.handle();
+        let stop = AtomicBool::new(false);
+        let long = ctx.long_prompt(2000, 7)?;
+        let (traces, long_trace) = std::thread::scope(|s| -> Result<_> {
+            let streams: Vec<_> = (0..8)
+                .map(|i| {
+                    let h = h.clone();
+                    let p = ctx.tok.encode(&format!("Stream {i}: Once upon a time"), false);
+                    let stop = &stop;
+                    s.spawn(move || run_stream(&h, greedy(p?, 4000), Some(stop)))
+                })
+                .collect();
+            // Let the streams reach steady decoding, then send the long prompt.
+            std::thread::sleep(Duration::from_secs(3));
+            let long_trace = run_stream(&h, greedy(long.clone(), 1), None)?;
+            std::thread::sleep(Duration::from_millis(500));
+            stop.store(true, Ordering::Relaxed);
+            let traces = streams.into_iter().map(|t| t.join().expect("stream")).collect::<Result<Vec<_>>>()?;
+            Ok((traces, long_trace))
+        })?;
+        let (sent, done) = (long_trace.submitted, long_trace.tokens[0]);
+        let (mut steady, mut during) = (Vec::new(), Vec::new());
+        for t in &traces {
+            for w in t.tokens.windows(2).skip(4) {
+                let gap = (w[1] - w[0]).as_secs_f64() * 1000.0;
+                if w[1] < sent {
+                    steady.push(gap);
+                } else if w[0] >= sent && w[1] <= done + Duration::from_millis(1) || (w[0] < done && w[1] > sent) {
+                    during.push(gap);
+                }
+            }
+        }
+        let (s99, d99) = (percentile(&steady, 0.99), percentile(&during, 0.99));
+        out.insert(name.into(), json!({
+            "max_batch_tokens": budget,
+            "long_prompt_tokens": long.len(),
+            "long_prompt_ttft_ms": (done - sent).as_secs_f64() * 1000.0,
+            "steady_itl_p50_ms": percentile(&steady, 0.5), "steady_itl_p99_ms": s99,
+            "during_itl_p50_ms": percentile(&during, 0.5), "during_itl_p99_ms": d99,
+            "during_p99_over_steady_p99": d99 / s99,
+            "gaps_steady": steady.len(), "gaps_during": during.len(),
+        }));
+        eprintln!("  {name}: {}", out[name]);
+    }
+    Ok(Value::Object(out))
+}

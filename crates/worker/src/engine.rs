@@ -1,0 +1,264 @@
+//! The engine: a scheduler and a model on their own thread, and a handle any thread can use.
+//!
+//! Submission validates everything it can before any model work (empty prompt, unknown tokens,
+//! context length, parameter ranges) and checks the waiting cap with one atomic update, so any
+//! number of concurrent submitters can never push the queue past its cap. A request's events
+//! arrive on its own channel; dropping the receiver cancels the request and frees its blocks on
+//! the next tick.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering::Relaxed},
+        mpsc,
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+use bellows_common::prefix_hash::{BlockHash, ChainRoot};
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+use crate::{
+    kv_cache::KvEvent,
+    model::{Backend, ModelSpec},
+    request::{Event, GenerateRequest, SubmitError},
+    sampling::Sampler,
+    scheduler::{Scheduler, SchedulerConfig, Sequence, SequenceInit},
+    stats::{Stats, StatsSnapshot},
+    vocab::Vocab,
+};
+
+/// Engine sizing: the scheduler's knobs plus the KV memory budget.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// KV cache budget in MiB; the pool gets as many blocks as fit. Default 512.
+    pub kv_cache_mb: usize,
+    pub block_size: usize,
+    pub max_batch_tokens: usize,
+    pub max_running: usize,
+    pub max_waiting: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        let s = SchedulerConfig::default();
+        EngineConfig {
+            kv_cache_mb: 512,
+            block_size: s.block_size,
+            max_batch_tokens: s.max_batch_tokens,
+            max_running: s.max_running,
+            max_waiting: s.max_waiting,
+        }
+    }
+}
+
+/// A request's stream of events.
+pub type EventStream = tmpsc::UnboundedReceiver<Event>;
+
+/// A router-side mirror starts from `snapshot`, then applies `events` in order.
+pub struct KvSubscription {
+    pub snapshot: Vec<BlockHash>,
+    pub events: tmpsc::UnboundedReceiver<Vec<KvEvent>>,
+}
+
+enum Command {
+    Submit(Box<Sequence>),
+    SubscribeKv(oneshot::Sender<KvSubscription>),
+    Shutdown,
+}
+
+struct Shared {
+    stats: Arc<Stats>,
+    spec: ModelSpec,
+    /// min(model context, KV pool capacity): no single request may need more.
+    context: usize,
+    block_size: usize,
+    max_waiting: usize,
+    next_id: AtomicU64,
+}
+
+/// Owns the engine thread; dropping it stops the thread (in-flight requests fail).
+pub struct Engine {
+    handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Cheap to clone; usable from any thread or task.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+}
+
+impl Engine {
+    pub fn start(mut backend: Box<dyn Backend>, vocab: Arc<dyn Vocab>, cfg: EngineConfig) -> Result<Engine> {
+        let spec = backend.spec().clone();
+        let block_bytes = spec.kv_bytes_per_token * cfg.block_size;
+        let num_blocks = (cfg.kv_cache_mb << 20) / block_bytes;
+        anyhow::ensure!(num_blocks >= 1, "--kv-cache-mb {} holds no block of {block_bytes} bytes", cfg.kv_cache_mb);
+        anyhow::ensure!(cfg.max_running <= cfg.max_batch_tokens, "max_running must not exceed max_batch_tokens");
+        backend.allocate_kv(num_blocks, cfg.block_size)?;
+        let stats = Arc::new(Stats::default());
+        let sched_cfg = SchedulerConfig {
+            block_size: cfg.block_size,
+            num_blocks,
+            max_batch_tokens: cfg.max_batch_tokens,
+            max_running: cfg.max_running,
+            max_waiting: cfg.max_waiting,
+        };
+        let shared = Arc::new(Shared {
+            stats: stats.clone(),
+            context: spec.context_length.min(num_blocks * cfg.block_size),
+            spec,
+            block_size: cfg.block_size,
+            max_waiting: cfg.max_waiting,
+            next_id: AtomicU64::new(1),
+        });
+        let (tx, rx) = mpsc::channel();
+        let mut sched = Scheduler::new(sched_cfg, vocab, stats);
+        let thread = std::thread::Builder::new()
+            .name("bellows-engine".into())
+            .spawn(move || run(&mut sched, backend.as_mut(), rx))
+            .context("spawning the engine thread")?;
+        Ok(Engine { handle: EngineHandle { tx, shared }, thread: Some(thread) })
+    }
+
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.handle.tx.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(sched: &mut Scheduler, backend: &mut dyn Backend, rx: mpsc::Receiver<Command>) {
+    let mut subscribers: Vec<tmpsc::UnboundedSender<Vec<KvEvent>>> = Vec::new();
+    loop {
+        // Block only when there is nothing to run.
+        let first = if sched.is_idle() { rx.recv().ok() } else { rx.try_recv().ok() };
+        let mut next = first;
+        while let Some(cmd) = next {
+            match cmd {
+                Command::Submit(s) => sched.add(*s),
+                Command::SubscribeKv(reply) => {
+                    // Publish pending events first so the snapshot and the stream do not overlap.
+                    publish(sched, &mut subscribers);
+                    let (etx, erx) = tmpsc::unbounded_channel();
+                    if reply.send(KvSubscription { snapshot: sched.cached_hashes(), events: erx }).is_ok() {
+                        subscribers.push(etx);
+                    }
+                }
+                Command::Shutdown => {
+                    sched.abort_all("the engine is shutting down");
+                    return;
+                }
+            }
+            next = rx.try_recv().ok();
+        }
+        if sched.is_idle() && matches!(rx.try_recv(), Err(mpsc::TryRecvError::Disconnected)) {
+            return;
+        }
+        sched.step(backend);
+        publish(sched, &mut subscribers);
+    }
+}
+
+fn publish(sched: &mut Scheduler, subscribers: &mut Vec<tmpsc::UnboundedSender<Vec<KvEvent>>>) {
+    let events = sched.take_kv_events();
+    if !events.is_empty() {
+        subscribers.retain(|s| s.send(events.clone()).is_ok());
+    }
+}
+
+impl EngineHandle {
+    pub fn spec(&self) -> &ModelSpec {
+        &self.shared.spec
+    }
+
+    /// The longest prompt + completion one request may use.
+    pub fn context_length(&self) -> usize {
+        self.shared.context
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.shared.block_size
+    }
+
+    pub fn stats(&self) -> StatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
+    /// Validate and enqueue a request. Refusals cost no model work.
+    pub fn submit(&self, req: GenerateRequest) -> Result<EventStream, SubmitError> {
+        let sh = &self.shared;
+        let vocab = sh.spec.vocab_size;
+        if req.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if let Some(&token) = req.prompt.iter().chain(&req.stop_token_ids).find(|&&t| t as usize >= vocab) {
+            return Err(SubmitError::TokenOutOfVocabulary { token, vocab });
+        }
+        if req.max_tokens == Some(0) {
+            return Err(SubmitError::ZeroMaxTokens);
+        }
+        let prompt = req.prompt.len();
+        let completion = match req.max_tokens {
+            Some(m) => m as usize,
+            None => sh.context.saturating_sub(prompt).max(1),
+        };
+        if prompt + completion > sh.context {
+            return Err(SubmitError::ContextExceeded { prompt, completion, context: sh.context });
+        }
+        req.params
+            .validate(vocab)
+            .map_err(|(param, reason)| SubmitError::InvalidParameter { param, reason })?;
+
+        // The cap: one atomic step, so concurrent submitters cannot overshoot it.
+        let waiting = &sh.stats.waiting_requests;
+        if waiting.fetch_update(Relaxed, Relaxed, |w| (w < sh.max_waiting as u64).then_some(w + 1)).is_err() {
+            return Err(SubmitError::QueueFull { cap: sh.max_waiting, retry_after: self.retry_after() });
+        }
+
+        let (reply, stream) = tmpsc::unbounded_channel();
+        let root = ChainRoot::for_model(&sh.spec.model_id, req.cache_salt.as_deref());
+        let seq = Sequence::new(SequenceInit {
+            id: sh.next_id.fetch_add(1, Relaxed),
+            sampler: Sampler::new(req.params, &req.prompt),
+            max_len: prompt + completion,
+            prompt: req.prompt,
+            root,
+            stop: req.stop,
+            stop_ids: req.stop_token_ids,
+            ignore_eos: req.ignore_eos,
+            reply,
+        });
+        if self.tx.send(Command::Submit(Box::new(seq))).is_err() {
+            waiting.fetch_sub(1, Relaxed);
+            return Err(SubmitError::ShuttingDown);
+        }
+        Ok(stream)
+    }
+
+    /// Current cached block hashes and every change after them.
+    pub async fn subscribe_kv(&self) -> Result<KvSubscription, SubmitError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Command::SubscribeKv(tx)).map_err(|_| SubmitError::ShuttingDown)?;
+        rx.await.map_err(|_| SubmitError::ShuttingDown)
+    }
+
+    /// How long until the queue has likely drained: waiting prompt tokens over the recent
+    /// prefill rate, bounded to [0.1 s, 60 s].
+    pub fn retry_after(&self) -> Duration {
+        let s = self.shared.stats.snapshot();
+        let rate = s.prefill_tokens_per_s.max(1.0);
+        Duration::from_secs_f64((s.waiting_prompt_tokens as f64 / rate).clamp(0.1, 60.0))
+    }
+}

@@ -1,0 +1,147 @@
+//! `bellows-worker`: run the engine from a terminal (`generate`) or benchmark it (`bench`).
+
+use std::{io::Write, path::PathBuf, sync::Arc, time::Instant};
+
+use anyhow::{Result, bail};
+use bellows_worker::{
+    bench::{self, BenchArgs},
+    engine::{Engine, EngineConfig},
+    load::{default_model_path, load_gguf},
+    model::llama::LoadOptions,
+    request::{Event, GenerateRequest},
+    sampling::SamplingParams,
+    tokenizer::ChatMessage,
+};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "bellows-worker", version, about = "Bellows worker: model engine and tools")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate a completion and print it as it streams.
+    Generate(GenerateArgs),
+    /// Run the engine benchmarks and print JSON.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// GGUF model file [default: $BELLOWS_MODEL or ~/.cache/bellows/models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long, env = "BELLOWS_MODEL")]
+    model: Option<PathBuf>,
+    /// A tokenizer.json that overrides the GGUF's vocabulary.
+    #[arg(long, env = "BELLOWS_TOKENIZER_JSON")]
+    tokenizer_json: Option<PathBuf>,
+    /// Keep Q4_1/Q5_0/Q5_1 weights as they are instead of re-quantizing them to Q8_0.
+    #[arg(long, env = "BELLOWS_NO_REQUANTIZE")]
+    no_requantize: bool,
+    /// KV cache budget in MiB.
+    #[arg(long, env = "BELLOWS_KV_CACHE_MB", default_value_t = 512)]
+    kv_cache_mb: usize,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt text.
+    #[arg(long, short)]
+    prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message (with --chat).
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: u32,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop at this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().cmd {
+        Cmd::Generate(a) => generate(a),
+        Cmd::Bench(a) => bench::run(a),
+    }
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let path = a.model.model.clone().unwrap_or_else(default_model_path);
+    let opts = LoadOptions { requantize: !a.model.no_requantize, progress: true };
+    let t0 = Instant::now();
+    let (model, tok) = load_gguf(&path, &opts, a.model.tokenizer_json.as_deref())?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let tok = Arc::new(tok);
+    let text = if a.chat {
+        let mut m = Vec::new();
+        if let Some(s) = &a.system {
+            m.push(ChatMessage { role: "system".into(), content: s.clone() });
+        }
+        m.push(ChatMessage { role: "user".into(), content: a.prompt.clone() });
+        tok.apply_chat_template(&m, true)?
+    } else {
+        a.prompt.clone()
+    };
+    let prompt = tok.encode(&text, !a.chat)?;
+    let engine = Engine::start(
+        Box::new(model),
+        tok.clone(),
+        EngineConfig { kv_cache_mb: a.model.kv_cache_mb, ..Default::default() },
+    )?;
+    let params = SamplingParams { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed, ..Default::default() };
+    let mut req = GenerateRequest::new(prompt.clone(), params, a.max_tokens);
+    req.stop = a.stop;
+    let mut rx = engine.handle().submit(req)?;
+    if !a.chat {
+        print!("{}", a.prompt);
+    }
+    let start = Instant::now();
+    let mut first = None;
+    let mut out = std::io::stdout();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Token { text, .. } => {
+                first.get_or_insert_with(Instant::now);
+                print!("{text}");
+                out.flush()?;
+            }
+            Event::Finished { text, reason, usage } => {
+                println!("{text}");
+                let end = Instant::now();
+                let ttft = first.map_or(0.0, |f| (f - start).as_secs_f64());
+                let decode = first.map_or(0.0, |f| (end - f).as_secs_f64());
+                let n = usage.completion_tokens.saturating_sub(1) as f64;
+                eprintln!(
+                    "\n[load {load_s:.2}s | prompt {} tokens, ttft {:.0} ms | {} tokens, {:.1} tok/s | finish: {reason:?}]",
+                    usage.prompt_tokens,
+                    ttft * 1000.0,
+                    usage.completion_tokens,
+                    if decode > 0.0 { n / decode } else { 0.0 },
+                );
+                return Ok(());
+            }
+            Event::Failed { message } => bail!("generation failed: {message}"),
+        }
+    }
+    bail!("the engine stopped unexpectedly")
+}

@@ -1,0 +1,339 @@
+//! Llama-family transformer (GGUF `llama` and `qwen2`) with a batched, ragged forward pass.
+//!
+//! Why our own forward rather than candle's stock models: those keep one KV cache per model and
+//! fail on batched prefill, so they cannot serve many sequences at once. Here every linear layer
+//! runs once over *all* tokens of a step (decode tokens and prefill chunks together), so batching
+//! shares each weight read; attention runs per sequence over its own paged KV (see `attention`).
+//!
+//! Loading re-quantizes formats whose CPU matmul has no SIMD kernel (Q4_1, Q5_0, Q5_1) to Q8_0,
+//! and fuses Q/K/V and gate/up into one matmul each by concatenating quantized rows (exact: a GGUF
+//! row is a whole number of quantization blocks).
+
+use std::{fs::File, path::Path};
+
+use anyhow::{Context, Result, bail};
+use candle_core::{
+    D, Device, Module, Tensor,
+    quantized::{GgmlDType, QMatMul, QStorage, QTensor, gguf_file},
+};
+
+use super::{
+    Backend, BatchRow, ModelSpec,
+    attention::{Heads, LayerKv, Rope, RopeStyle, paged_attention},
+};
+
+/// Load-time choices.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Re-quantize Q4_1/Q5_0/Q5_1 weights to Q8_0 (faster matmuls on x86, slightly more memory).
+    pub requantize: bool,
+    /// Show a progress bar on stderr while loading (hidden when stderr is not a terminal).
+    pub progress: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { requantize: true, progress: false }
+    }
+}
+
+/// Hyper-parameters read from GGUF metadata.
+#[derive(Debug, Clone)]
+pub struct LlamaConfig {
+    pub architecture: String,
+    pub n_layer: usize,
+    pub hidden: usize,
+    pub heads: Heads,
+    pub rope_theta: f32,
+    pub rms_eps: f32,
+    pub context_length: usize,
+    pub vocab_size: usize,
+}
+
+impl LlamaConfig {
+    pub fn from_gguf(c: &gguf_file::Content) -> Result<Self> {
+        let arch = c
+            .metadata
+            .get("general.architecture")
+            .context("GGUF has no general.architecture")?
+            .to_string()?
+            .clone();
+        if arch != "llama" && arch != "qwen2" {
+            bail!("unsupported architecture {arch:?} (supported: llama, qwen2)");
+        }
+        let get = |k: &str| {
+            c.metadata.get(&format!("{arch}.{k}")).with_context(|| format!("GGUF lacks {arch}.{k}"))
+        };
+        let n_head = get("attention.head_count")?.to_u32()? as usize;
+        let hidden = get("embedding_length")?.to_u32()? as usize;
+        let n_kv_head = match get("attention.head_count_kv") {
+            Ok(v) => v.to_u32()? as usize,
+            Err(_) => n_head,
+        };
+        let vocab_size = c
+            .tensor_infos
+            .get("token_embd.weight")
+            .context("GGUF lacks token_embd.weight")?
+            .shape
+            .dims()[0];
+        Ok(LlamaConfig {
+            n_layer: get("block_count")?.to_u32()? as usize,
+            hidden,
+            heads: Heads { n_head, n_kv_head, head_dim: hidden / n_head },
+            rope_theta: get("rope.freq_base").and_then(|v| Ok(v.to_f32()?)).unwrap_or(10000.0),
+            rms_eps: get("attention.layer_norm_rms_epsilon")?.to_f32()?,
+            context_length: get("context_length")?.to_u32()? as usize,
+            vocab_size,
+            architecture: arch,
+        })
+    }
+}
+
+/// One or more projections that share an input, run as a single matmul.
+struct Fused {
+    mm: QMatMul,
+    bias: Option<Tensor>,
+    widths: Vec<usize>,
+}
+
+impl Fused {
+    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let mut y = self.mm.forward(x)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        if self.widths.len() == 1 {
+            return Ok(vec![y]);
+        }
+        let mut out = Vec::with_capacity(self.widths.len());
+        let mut at = 0;
+        for &w in &self.widths {
+            out.push(y.narrow(D::Minus1, at, w)?.contiguous()?);
+            at += w;
+        }
+        Ok(out)
+    }
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    qkv: Fused,
+    wo: QMatMul,
+    ffn_norm: Tensor,
+    gate_up: Fused,
+    down: QMatMul,
+}
+
+pub struct LlamaModel {
+    spec: ModelSpec,
+    cfg: LlamaConfig,
+    device: Device,
+    embed: QTensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: QMatMul,
+    rope: Rope,
+    kv: Vec<LayerKv>,
+    block_size: usize,
+}
+
+struct Loader<'a> {
+    content: &'a gguf_file::Content,
+    file: File,
+    device: Device,
+    requantize: bool,
+}
+
+impl Loader<'_> {
+    fn qtensor(&mut self, name: &str) -> Result<QTensor> {
+        let t = self.content.tensor(&mut self.file, name, &self.device)?;
+        let slow = matches!(t.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
+        if self.requantize && slow {
+            let f = t.dequantize(&self.device)?;
+            return Ok(QTensor::quantize(&f, GgmlDType::Q8_0)?);
+        }
+        Ok(t)
+    }
+
+    fn f32(&mut self, name: &str) -> Result<Tensor> {
+        Ok(self.content.tensor(&mut self.file, name, &self.device)?.dequantize(&self.device)?)
+    }
+
+    fn optional_f32(&mut self, name: &str) -> Result<Option<Tensor>> {
+        if self.content.tensor_infos.contains_key(name) { self.f32(name).map(Some) } else { Ok(None) }
+    }
+
+    /// Concatenate the rows of same-typed quantized matrices into one matmul.
+    fn fused(&mut self, names: &[String], biases: &[String]) -> Result<Fused> {
+        let parts = names.iter().map(|n| self.qtensor(n)).collect::<Result<Vec<_>>>()?;
+        let k = parts[0].shape().dims2()?.1;
+        let widths: Vec<usize> =
+            parts.iter().map(|p| p.shape().dims2().map(|d| d.0)).collect::<candle_core::Result<_>>()?;
+        let dtype = parts[0].dtype();
+        let mm = if parts.iter().all(|p| p.dtype() == dtype) && parts.len() > 1 {
+            let mut bytes = Vec::new();
+            for p in &parts {
+                bytes.extend_from_slice(&p.data()?);
+            }
+            let storage = QStorage::from_data(bytes.into(), &self.device, dtype)?;
+            QMatMul::from_qtensor(QTensor::new(storage, (widths.iter().sum::<usize>(), k))?)?
+        } else if parts.len() == 1 {
+            QMatMul::from_qtensor(parts.into_iter().next().expect("one part"))?
+        } else {
+            // Mixed types: dequantize and re-quantize the whole as Q8_0.
+            let f = parts
+                .iter()
+                .map(|p| p.dequantize(&self.device))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            QMatMul::from_qtensor(QTensor::quantize(&Tensor::cat(&f, 0)?, GgmlDType::Q8_0)?)?
+        };
+        let bias = if biases.is_empty() {
+            None
+        } else {
+            let b = biases.iter().map(|n| self.optional_f32(n)).collect::<Result<Vec<_>>>()?;
+            if b.iter().all(Option::is_some) {
+                Some(Tensor::cat(&b.into_iter().flatten().collect::<Vec<_>>(), 0)?)
+            } else {
+                None
+            }
+        };
+        Ok(Fused { mm, bias, widths })
+    }
+}
+
+impl LlamaModel {
+    pub fn load(path: &Path, content: &gguf_file::Content, opts: &LoadOptions) -> Result<Self> {
+        let cfg = LlamaConfig::from_gguf(content)?;
+        let device = default_device()?;
+        let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let mut l = Loader { content, file, device: device.clone(), requantize: opts.requantize };
+
+        let bar = if opts.progress {
+            indicatif::ProgressBar::new(cfg.n_layer as u64 + 2)
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
+                .expect("static template"),
+        );
+        bar.set_message(path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+
+        let embed = l.content.tensor(&mut l.file, "token_embd.weight", &device)?;
+        let lm_head = if content.tensor_infos.contains_key("output.weight") {
+            QMatMul::from_qtensor(l.qtensor("output.weight")?)?
+        } else {
+            QMatMul::from_qtensor(l.qtensor("token_embd.weight")?)? // tied embeddings
+        };
+        let norm = l.f32("output_norm.weight")?;
+        bar.inc(2);
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let p = |s: &str| format!("blk.{i}.{s}");
+            let qkv = l.fused(
+                &[p("attn_q.weight"), p("attn_k.weight"), p("attn_v.weight")],
+                &[p("attn_q.bias"), p("attn_k.bias"), p("attn_v.bias")],
+            )?;
+            layers.push(Layer {
+                attn_norm: l.f32(&p("attn_norm.weight"))?,
+                qkv,
+                wo: QMatMul::from_qtensor(l.qtensor(&p("attn_output.weight"))?)?,
+                ffn_norm: l.f32(&p("ffn_norm.weight"))?,
+                gate_up: l.fused(&[p("ffn_gate.weight"), p("ffn_up.weight")], &[])?,
+                down: QMatMul::from_qtensor(l.qtensor(&p("ffn_down.weight"))?)?,
+            });
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+
+        let style = if cfg.architecture == "qwen2" { RopeStyle::Halves } else { RopeStyle::Interleaved };
+        let rope = Rope::new(style, cfg.heads.head_dim, cfg.rope_theta, cfg.context_length);
+        let model_id = content
+            .metadata
+            .get("general.name")
+            .and_then(|v| v.to_string().ok().cloned())
+            .unwrap_or_else(|| path.file_stem().unwrap_or_default().to_string_lossy().into_owned());
+        let spec = ModelSpec {
+            model_id,
+            architecture: cfg.architecture.clone(),
+            vocab_size: cfg.vocab_size,
+            context_length: cfg.context_length,
+            kv_bytes_per_token: cfg.n_layer * 2 * cfg.heads.n_kv_head * cfg.heads.head_dim * 4,
+        };
+        Ok(LlamaModel { spec, cfg, device, embed, layers, norm, lm_head, rope, kv: Vec::new(), block_size: 0 })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+}
+
+/// CPU unless built with `cuda` and a GPU is present.
+fn default_device() -> Result<Device> {
+    #[cfg(feature = "cuda")]
+    {
+        if let Ok(d) = Device::new_cuda(0) {
+            return Ok(d);
+        }
+    }
+    Ok(Device::Cpu)
+}
+
+impl Backend for LlamaModel {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+        self.block_size = block_size;
+        self.kv = (0..self.cfg.n_layer).map(|_| LayerKv::new(num_blocks, block_size, self.cfg.heads)).collect();
+        Ok(())
+    }
+
+    fn forward(&mut self, rows: &[BatchRow<'_>]) -> Result<Vec<Vec<f32>>> {
+        if self.kv.is_empty() {
+            bail!("KV storage not allocated");
+        }
+        let ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let n_tok = ids.len();
+        let ids = Tensor::from_vec(ids, n_tok, &self.device)?;
+        let mut x = self.embed.embedding(&ids)?; // [T, hidden]
+        let heads = self.cfg.heads;
+        let (q_w, kv_w) = (heads.n_head * heads.head_dim, heads.n_kv_head * heads.head_dim);
+
+        for (layer, kv) in self.layers.iter().zip(self.kv.iter_mut()) {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.cfg.rms_eps)?;
+            let qkv = layer.qkv.forward(&h)?;
+            let mut q = qkv[0].flatten_all()?.to_vec1::<f32>()?;
+            let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
+            let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
+            debug_assert_eq!((q.len(), k.len()), (n_tok * q_w, n_tok * kv_w));
+            let attn = paged_attention(rows, &mut q, &mut k, &v, kv, self.block_size, heads, &self.rope);
+            let attn = Tensor::from_vec(attn, (n_tok, q_w), &self.device)?;
+            x = (x + layer.wo.forward(&attn)?)?;
+
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.cfg.rms_eps)?;
+            let gu = layer.gate_up.forward(&h)?;
+            let m = (candle_nn::ops::silu(&gu[0])? * &gu[1])?;
+            x = (x + layer.down.forward(&m)?)?;
+        }
+
+        // Only the rows being sampled need the (large) vocabulary projection.
+        let mut last = Vec::new();
+        let mut at = 0u32;
+        for r in rows {
+            at += r.tokens.len() as u32;
+            if r.want_logits {
+                last.push(at - 1);
+            }
+        }
+        if last.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n_last = last.len();
+        let x = x.index_select(&Tensor::from_vec(last, n_last, &self.device)?, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, self.cfg.rms_eps)?;
+        let logits = self.lm_head.forward(&x)?;
+        Ok(logits.to_vec2::<f32>()?)
+    }
+}

@@ -1,0 +1,88 @@
+//! What a caller submits to the engine, what it gets back, and every way a submission is refused.
+
+use std::time::Duration;
+
+use crate::sampling::SamplingParams;
+
+/// A generation request, already tokenized.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Tokens to generate at most; `None` = up to the context length.
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+    /// Isolates this request's prefix-cache entries (per-tenant salt); `None` = shared.
+    pub cache_salt: Option<String>,
+}
+
+impl GenerateRequest {
+    pub fn new(prompt: Vec<u32>, params: SamplingParams, max_tokens: u32) -> Self {
+        GenerateRequest {
+            prompt,
+            params,
+            max_tokens: Some(max_tokens),
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            cache_salt: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length reached.
+    Length,
+    /// The caller went away.
+    Cancelled,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    /// Prompt tokens served from the prefix cache (OpenAI `prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: u32,
+}
+
+/// What a request's stream carries.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// One generated token and the text it released (may be empty: a partial UTF-8 character or
+    /// text held back while it could still begin a stop string).
+    Token { id: u32, text: String },
+    /// The last event of a successful stream: remaining text, why it ended, and usage.
+    Finished { text: String, reason: FinishReason, usage: Usage },
+    /// The model failed while running this request; nothing more follows.
+    Failed { message: String },
+}
+
+/// Why a submission was refused before any model work. One variant per cause, so a service can
+/// map each to one status code.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error(
+        "this model's maximum context length is {context} tokens; you requested {} tokens \
+         ({prompt} in the prompt, {completion} for the completion)", prompt + completion
+    )]
+    ContextExceeded { prompt: usize, completion: usize, context: usize },
+    #[error("token id {token} is outside the vocabulary (size {vocab})")]
+    TokenOutOfVocabulary { token: u32, vocab: usize },
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error("invalid {param}: {reason}")]
+    InvalidParameter { param: &'static str, reason: String },
+    #[error("too many requests waiting ({cap}); retry after {retry_after:?}")]
+    QueueFull { cap: usize, retry_after: Duration },
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}

@@ -1,0 +1,267 @@
+//! Per-request sampling: penalties, logit bias, temperature, top-k, top-p, min-p, seeded RNG.
+//!
+//! Each request owns its [`Sampler`] (and its RNG), keyed by request id in the scheduler, so its
+//! tokens depend only on its own logits and seed: never on what else shares the batch or on the
+//! order in which rows finish.
+
+use std::collections::HashMap;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Sampling parameters as a client gives them (OpenAI names and defaults).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 = off.
+    pub top_k: u32,
+    pub min_p: f32,
+    /// Multiplicative penalty on tokens already in prompt or output (1 = off; HF semantics).
+    pub repetition_penalty: f32,
+    /// Subtracted once from tokens already generated (OpenAI semantics).
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence in the output (OpenAI semantics).
+    pub frequency_penalty: f32,
+    pub logit_bias: Vec<(u32, f32)>,
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+
+    /// Check every parameter's range; the error names the parameter.
+    pub fn validate(&self, vocab_size: usize) -> Result<(), (&'static str, String)> {
+        let bad = |p, m: &str| Err((p, m.to_string()));
+        if !(0.0..=2.0).contains(&self.temperature) {
+            return bad("temperature", "must be between 0 and 2");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", "must be in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", "must be between 0 and 1");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
+            return bad("repetition_penalty", "must be in (0, 10]");
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return bad("presence_penalty", "must be between -2 and 2");
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad("frequency_penalty", "must be between -2 and 2");
+        }
+        for &(t, b) in &self.logit_bias {
+            if t as usize >= vocab_size {
+                return Err(("logit_bias", format!("token id {t} is outside the vocabulary ({vocab_size})")));
+            }
+            if !(-100.0..=100.0).contains(&b) {
+                return bad("logit_bias", "bias values must be between -100 and 100");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A request's sampler: its parameters, its RNG, and counts of what it has generated.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    /// Tokens in prompt or output, for the repetition penalty.
+    seen: HashMap<u32, ()>,
+    /// Occurrences in the output, for presence and frequency penalties.
+    generated: HashMap<u32, u32>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
+        let seed = params.seed.unwrap_or_else(rand::random);
+        let seen = if params.repetition_penalty != 1.0 {
+            prompt.iter().map(|&t| (t, ())).collect()
+        } else {
+            HashMap::new()
+        };
+        Sampler { rng: ChaCha8Rng::seed_from_u64(seed), params, seen, generated: HashMap::new() }
+    }
+
+    /// Record a generated token (call for every token the request emits).
+    pub fn observe(&mut self, token: u32) {
+        *self.generated.entry(token).or_default() += 1;
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.insert(token, ());
+        }
+    }
+
+    /// Pick the next token from raw logits (modified in place).
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        let p = &self.params;
+        for &(t, b) in &p.logit_bias {
+            logits[t as usize] += b;
+        }
+        if p.repetition_penalty != 1.0 {
+            for &t in self.seen.keys() {
+                let l = &mut logits[t as usize];
+                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &n) in &self.generated {
+                logits[t as usize] -= p.presence_penalty + p.frequency_penalty * n as f32;
+            }
+        }
+        if p.temperature == 0.0 {
+            return argmax(logits);
+        }
+
+        // Candidates, best first. Sorting all 50k-150k logits per token is the slow part, so the
+        // sort is bounded by top-k when there is one.
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+        let k = if p.top_k > 0 { (p.top_k as usize).min(idx.len()) } else { idx.len() };
+        if k < idx.len() {
+            idx.select_nth_unstable_by(k - 1, by_logit);
+            idx.truncate(k);
+        }
+        let needs_order = p.top_p < 1.0 || p.min_p > 0.0;
+        if needs_order {
+            idx.sort_unstable_by(by_logit);
+        }
+        let max = idx.iter().map(|&i| logits[i as usize]).fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<f32> = idx.iter().map(|&i| ((logits[i as usize] - max) / p.temperature).exp()).collect();
+        let total: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= total);
+
+        let mut keep = probs.len();
+        if p.min_p > 0.0 {
+            // probs are sorted: probs[0] is the max.
+            let floor = p.min_p * probs[0];
+            keep = probs.iter().take_while(|&&x| x >= floor).count().max(1);
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut n = 0;
+            for &x in &probs[..keep] {
+                acc += x;
+                n += 1;
+                if acc >= p.top_p {
+                    break;
+                }
+            }
+            keep = n.max(1);
+        }
+        let mass: f32 = probs[..keep].iter().sum();
+        let mut r = self.rng.random::<f32>() * mass;
+        for (j, &x) in probs[..keep].iter().enumerate() {
+            r -= x;
+            if r <= 0.0 {
+                return idx[j];
+            }
+        }
+        idx[keep - 1]
+    }
+}
+
+/// Index of the largest logit; the lowest index wins ties, so greedy output is reproducible.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![1.0, 3.0, 2.0, 0.5, 2.9]
+    }
+
+    #[test]
+    fn greedy_picks_the_largest_logit_and_the_lowest_index_on_ties() {
+        let mut s = Sampler::new(SamplingParams::greedy(), &[]);
+        assert_eq!(s.sample(&mut logits()), 1);
+        assert_eq!(argmax(&[1.0, 5.0, 5.0]), 1);
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_tokens() {
+        let p = SamplingParams { seed: Some(7), ..Default::default() };
+        let run = || {
+            let mut s = Sampler::new(p.clone(), &[]);
+            (0..32).map(|_| s.sample(&mut logits())).collect::<Vec<_>>()
+        };
+        assert_eq!(run(), run());
+        let other = {
+            let mut s = Sampler::new(SamplingParams { seed: Some(8), ..p.clone() }, &[]);
+            (0..32).map(|_| s.sample(&mut logits())).collect::<Vec<_>>()
+        };
+        assert_ne!(run(), other, "different seeds should differ over 32 draws");
+    }
+
+    #[test]
+    fn top_k_one_is_greedy() {
+        let mut s = Sampler::new(SamplingParams { top_k: 1, seed: Some(1), ..Default::default() }, &[]);
+        for _ in 0..20 {
+            assert_eq!(s.sample(&mut logits()), 1);
+        }
+    }
+
+    #[test]
+    fn top_p_and_min_p_never_pick_outside_the_nucleus() {
+        let mut s = Sampler::new(SamplingParams { top_p: 0.5, seed: Some(3), ..Default::default() }, &[]);
+        for _ in 0..50 {
+            assert!([1, 4].contains(&s.sample(&mut logits())));
+        }
+        let mut s = Sampler::new(SamplingParams { min_p: 0.5, seed: Some(3), ..Default::default() }, &[]);
+        for _ in 0..50 {
+            assert!([1, 2, 4].contains(&s.sample(&mut logits())));
+        }
+    }
+
+    #[test]
+    fn logit_bias_and_penalties_move_the_choice() {
+        let p = SamplingParams { logit_bias: vec![(3, 100.0)], ..SamplingParams::greedy() };
+        assert_eq!(Sampler::new(p, &[]).sample(&mut logits()), 3);
+
+        let p = SamplingParams { presence_penalty: 2.0, ..SamplingParams::greedy() };
+        let mut s = Sampler::new(p, &[]);
+        s.observe(1);
+        assert_eq!(s.sample(&mut logits()), 2, "token 1 (3.0) penalized to 1.0; 2.9 wins");
+
+        let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() };
+        assert_eq!(Sampler::new(p, &[1]).sample(&mut logits()), 4, "prompt token 1 halved to 1.5");
+    }
+
+    #[test]
+    fn out_of_range_parameters_are_named() {
+        let v = |p: SamplingParams| p.validate(5).map_err(|e| e.0);
+        assert_eq!(v(SamplingParams { temperature: 3.0, ..Default::default() }), Err("temperature"));
+        assert_eq!(v(SamplingParams { top_p: 0.0, ..Default::default() }), Err("top_p"));
+        assert_eq!(v(SamplingParams { logit_bias: vec![(9, 1.0)], ..Default::default() }), Err("logit_bias"));
+        assert_eq!(v(SamplingParams::default()), Ok(()));
+    }
+}

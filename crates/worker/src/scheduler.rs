@@ -1,0 +1,447 @@
+//! The continuous batcher: one forward pass per tick under a token budget.
+//!
+//! Each tick:
+//! 1. drops requests whose caller went away (their blocks return to the pool at once);
+//! 2. admits waiting requests, oldest first, while running slots and KV blocks allow, reusing
+//!    every cached leading block of the prompt;
+//! 3. gives every decoding sequence one token, growing its blocks; when the pool is empty the
+//!    *newest* running sequence is preempted (blocks freed, re-prefilled later), never an
+//!    out-of-memory and never the oldest, which is closest to done;
+//! 4. fills the rest of `max_batch_tokens` with prefill chunks, starting at a different
+//!    prefilling sequence each tick, so a long prompt can neither starve a short one nor hold
+//!    running streams for more than one chunk;
+//! 5. runs the model once, samples every row that reached its end, and streams each request's
+//!    text to its own channel.
+//!
+//! All per-request state lives in [`Sequence`], found by position only within one tick; a
+//! request finishing mid-batch cannot shift another's sampler, stop strings or channel.
+
+use std::{
+    collections::VecDeque,
+    panic::{AssertUnwindSafe, catch_unwind},
+    sync::{Arc, atomic::Ordering::Relaxed},
+    time::Instant,
+};
+
+use bellows_common::prefix_hash::{BlockHash, ChainRoot, block_hash, prefix_block_hashes};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::{
+    kv_cache::{BlockId, BlockPool, KvEvent},
+    model::{Backend, BatchRow},
+    request::{Event, FinishReason, Usage},
+    sampling::Sampler,
+    stats::Stats,
+    stop::{StopCheck, StopMatcher},
+    tokenizer::Detokenizer,
+    vocab::Vocab,
+};
+
+/// Scheduling knobs.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block (the prefix-cache granularity, shared with the router). Default 16.
+    pub block_size: usize,
+    /// Blocks in the pool (from the KV memory budget).
+    pub num_blocks: usize,
+    /// Tokens one forward pass may carry: decode tokens plus prefill chunks. Default 256.
+    /// Smaller keeps inter-token latency steadier while long prompts arrive; larger prefills faster.
+    pub max_batch_tokens: usize,
+    /// Sequences admitted at once (prefilling or decoding). Default 64; at most `max_batch_tokens`.
+    pub max_running: usize,
+    /// New requests that may wait for admission; more are refused at once. Default 256.
+    pub max_waiting: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig { block_size: 16, num_blocks: 1024, max_batch_tokens: 256, max_running: 64, max_waiting: 256 }
+    }
+}
+
+/// One request's whole state, from submission to its last event.
+pub struct Sequence {
+    pub id: u64,
+    /// Prompt followed by the generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Generation stops when `tokens` reaches this length.
+    max_len: usize,
+    /// Tokens whose KV is in this sequence's blocks.
+    computed: usize,
+    blocks: Vec<BlockId>,
+    /// Hashes of the leading full blocks of `tokens[..computed]`.
+    hashes: Vec<BlockHash>,
+    root: ChainRoot,
+    cached_tokens: usize,
+    /// Still counted against the waiting cap (never admitted yet).
+    counted_waiting: bool,
+    sampler: Sampler,
+    stop: StopMatcher,
+    detok: Detokenizer,
+    stop_ids: Vec<u32>,
+    ignore_eos: bool,
+    reply: UnboundedSender<Event>,
+}
+
+/// Everything needed to build a [`Sequence`].
+pub struct SequenceInit {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub max_len: usize,
+    pub root: ChainRoot,
+    pub sampler: Sampler,
+    pub stop: Vec<String>,
+    pub stop_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub reply: UnboundedSender<Event>,
+}
+
+impl Sequence {
+    pub fn new(i: SequenceInit) -> Self {
+        Sequence {
+            id: i.id,
+            prompt_len: i.prompt.len(),
+            tokens: i.prompt,
+            max_len: i.max_len,
+            computed: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            root: i.root,
+            cached_tokens: 0,
+            counted_waiting: true,
+            sampler: i.sampler,
+            stop: StopMatcher::new(i.stop),
+            detok: Detokenizer::new(),
+            stop_ids: i.stop_ids,
+            ignore_eos: i.ignore_eos,
+            reply: i.reply,
+        }
+    }
+
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_len as u32,
+            completion_tokens: (self.tokens.len() - self.prompt_len) as u32,
+            cached_tokens: self.cached_tokens as u32,
+        }
+    }
+}
+
+/// One row of the planned step: which running sequence, how many of its pending tokens.
+struct Planned {
+    seq: usize,
+    len: usize,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: BlockPool,
+    waiting: VecDeque<Sequence>,
+    /// Admitted sequences, oldest admission first.
+    running: Vec<Sequence>,
+    vocab: Arc<dyn Vocab>,
+    stats: Arc<Stats>,
+    rr: usize,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, vocab: Arc<dyn Vocab>, stats: Arc<Stats>) -> Self {
+        assert!(cfg.max_running <= cfg.max_batch_tokens, "max_running must not exceed max_batch_tokens");
+        let pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
+        stats.kv_blocks_total.store(cfg.num_blocks as u64, Relaxed);
+        Scheduler { cfg, pool, waiting: VecDeque::new(), running: Vec::new(), vocab, stats, rr: 0 }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn add(&mut self, seq: Sequence) {
+        self.waiting.push_back(seq);
+        self.publish_gauges();
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.pool.take_events()
+    }
+
+    pub fn cached_hashes(&self) -> Vec<BlockHash> {
+        self.pool.cached_hashes()
+    }
+
+    /// Fail every request (engine shutdown).
+    pub fn abort_all(&mut self, message: &str) {
+        for mut s in self.running.drain(..).chain(self.waiting.drain(..)) {
+            self.pool.release(&s.blocks);
+            s.blocks.clear();
+            let _ = s.reply.send(Event::Failed { message: message.to_string() });
+        }
+        self.publish_gauges();
+    }
+
+    /// One tick. Returns false when there was nothing to run.
+    pub fn step(&mut self, backend: &mut dyn Backend) -> bool {
+        self.reap_cancelled();
+        self.admit();
+        self.grow_decoders();
+        let plan = self.plan();
+        if plan.is_empty() {
+            self.publish_gauges();
+            return false;
+        }
+
+        self.publish_gauges();
+        let started = Instant::now();
+        let rows: Vec<BatchRow<'_>> = plan
+            .iter()
+            .map(|p| {
+                let s = &self.running[p.seq];
+                BatchRow {
+                    tokens: &s.tokens[s.computed..s.computed + p.len],
+                    start_pos: s.computed,
+                    blocks: &s.blocks,
+                    want_logits: s.computed + p.len == s.tokens.len(),
+                }
+            })
+            .collect();
+        let result = catch_unwind(AssertUnwindSafe(|| backend.forward(&rows)));
+        drop(rows);
+        let (mut prefill_tokens, mut decode_tokens) = (0, 0);
+        for p in &plan {
+            if self.running[p.seq].pending() == 1 { decode_tokens += 1 } else { prefill_tokens += p.len }
+        }
+
+        match result {
+            Ok(Ok(logits)) => self.apply(&plan, logits),
+            Ok(Err(e)) => self.fail_step(&plan, &format!("model error: {e:#}")),
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
+                tracing::error!(error = %msg, "model panicked; failing this step's requests");
+                self.fail_step(&plan, &format!("model panicked: {msg}"));
+            }
+        }
+        self.stats.record_step(prefill_tokens, decode_tokens, started.elapsed());
+        self.publish_gauges();
+        true
+    }
+
+    fn reap_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].reply.is_closed() {
+                let s = self.running.remove(i);
+                self.pool.release(&s.blocks);
+                self.stats.requests_cancelled.fetch_add(1, Relaxed);
+            } else {
+                i += 1;
+            }
+        }
+        let before = self.waiting.len();
+        let mut uncounted = 0;
+        self.waiting.retain(|s| {
+            let keep = !s.reply.is_closed();
+            if !keep && s.counted_waiting {
+                uncounted += 1;
+            }
+            keep
+        });
+        self.stats.requests_cancelled.fetch_add((before - self.waiting.len()) as u64, Relaxed);
+        self.stats.waiting_requests.fetch_sub(uncounted, Relaxed);
+    }
+
+    /// Move waiting requests into the running set while slots and blocks allow (FIFO: a request
+    /// that does not fit blocks those behind it, so large prompts are not starved by small ones).
+    fn admit(&mut self) {
+        let bs = self.cfg.block_size;
+        while self.running.len() < self.cfg.max_running {
+            let Some(s) = self.waiting.front() else { break };
+            // Leave at least one token to compute: its logits give the next token.
+            let matchable = (s.tokens.len() - 1) / bs;
+            let hashes = prefix_block_hashes(&s.tokens[..matchable * bs], bs, s.root);
+            let hit = self.pool.cached_prefix_len(&hashes);
+            let need_total = s.tokens.len().div_ceil(bs);
+            let need_new = need_total - hit;
+            // Matched blocks that nobody references are counted in `available` too.
+            let matched_idle = self.pool.unreferenced_among(&hashes[..hit]);
+            if self.pool.available() < need_new + matched_idle {
+                break;
+            }
+            let mut s = self.waiting.pop_front().expect("front exists");
+            s.blocks = self.pool.acquire_prefix(&hashes[..hit]);
+            for _ in 0..need_new {
+                s.blocks.push(self.pool.allocate().expect("availability checked"));
+            }
+            s.hashes = hashes[..hit].to_vec();
+            s.computed = hit * bs;
+            if s.counted_waiting {
+                s.counted_waiting = false;
+                s.cached_tokens = hit * bs;
+                self.stats.prefix_hit_tokens.fetch_add((hit * bs) as u64, Relaxed);
+                self.stats.waiting_requests.fetch_sub(1, Relaxed);
+            }
+            self.running.push(s);
+        }
+    }
+
+    /// Give each decoding sequence room for its next token, preempting the newest when full.
+    fn grow_decoders(&mut self) {
+        let bs = self.cfg.block_size;
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &self.running[i];
+            if s.pending() == 1 && s.blocks.len() * bs < s.tokens.len() {
+                match self.pool.allocate() {
+                    Some(b) => self.running[i].blocks.push(b),
+                    None => {
+                        self.preempt_newest();
+                        continue; // retry i (if i itself was preempted, the loop ends)
+                    }
+                }
+            }
+            i += 1;
+        }
+    }
+
+    fn preempt_newest(&mut self) {
+        let mut s = self.running.pop().expect("a running sequence to preempt");
+        self.pool.release(&s.blocks);
+        s.blocks.clear();
+        s.hashes.clear();
+        s.computed = 0;
+        self.stats.preemptions.fetch_add(1, Relaxed);
+        tracing::debug!(request = s.id, "preempted: KV pool full");
+        self.waiting.push_front(s);
+    }
+
+    fn plan(&mut self) -> Vec<Planned> {
+        let mut plan: Vec<Planned> = Vec::new();
+        let mut budget = self.cfg.max_batch_tokens;
+        for (i, s) in self.running.iter().enumerate() {
+            if s.pending() == 1 {
+                plan.push(Planned { seq: i, len: 1 });
+                budget -= 1;
+            }
+        }
+        let prefilling: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].pending() > 1).collect();
+        if !prefilling.is_empty() {
+            let start = self.rr % prefilling.len();
+            self.rr = self.rr.wrapping_add(1);
+            for k in 0..prefilling.len() {
+                if budget == 0 {
+                    break;
+                }
+                let i = prefilling[(start + k) % prefilling.len()];
+                let len = self.running[i].pending().min(budget);
+                budget -= len;
+                plan.push(Planned { seq: i, len });
+            }
+        }
+        plan
+    }
+
+    /// After a successful forward: advance, register full blocks, sample, stream, finish.
+    fn apply(&mut self, plan: &[Planned], logits: Vec<Vec<f32>>) {
+        let bs = self.cfg.block_size;
+        let mut logits = logits.into_iter();
+        let mut finished: Vec<usize> = Vec::new();
+        for p in plan {
+            let s = &mut self.running[p.seq];
+            s.computed += p.len;
+            while (s.hashes.len() + 1) * bs <= s.computed {
+                let i = s.hashes.len();
+                let h = block_hash(s.hashes.last().copied(), s.root, &s.tokens[i * bs..(i + 1) * bs]);
+                self.pool.register(s.blocks[i], h);
+                s.hashes.push(h);
+            }
+            if s.computed < s.tokens.len() {
+                continue; // mid-prefill: no token yet
+            }
+            let mut row = logits.next().expect("one logits row per finished row");
+            let t = s.sampler.sample(&mut row);
+            s.sampler.observe(t);
+            s.tokens.push(t);
+            if let Some((reason, flush)) = Self::emit(s, t, self.vocab.as_ref()) {
+                let text = if flush { Self::flush(s) } else { String::new() };
+                let _ = s.reply.send(Event::Finished { text, reason, usage: s.usage() });
+                finished.push(p.seq);
+            }
+        }
+        // Remove back to front so earlier indices stay valid.
+        finished.sort_unstable();
+        for &i in finished.iter().rev() {
+            let s = self.running.remove(i);
+            self.pool.release(&s.blocks);
+            self.stats.requests_finished.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Stream token `t` of sequence `s`; returns why it finished, if it did, and whether text
+    /// held back (partial characters, possible stop-string starts) must still be flushed.
+    fn emit(s: &mut Sequence, t: u32, vocab: &dyn Vocab) -> Option<(FinishReason, bool)> {
+        if s.stop_ids.contains(&t) || (!s.ignore_eos && vocab.eos_ids().contains(&t)) {
+            // The stop token's own text is never sent.
+            let _ = s.reply.send(Event::Token { id: t, text: String::new() });
+            return Some((FinishReason::Stop, true));
+        }
+        let text = s.detok.push(vocab.token_bytes(t));
+        match s.stop.push(&text) {
+            StopCheck::Stopped(x) => {
+                let _ = s.reply.send(Event::Token { id: t, text: x });
+                Some((FinishReason::Stop, false))
+            }
+            StopCheck::Continue(x) => {
+                let _ = s.reply.send(Event::Token { id: t, text: x });
+                (s.tokens.len() >= s.max_len).then_some((FinishReason::Length, true))
+            }
+        }
+    }
+
+    /// Text still held back at the end of a stream that did not end on a stop string.
+    fn flush(s: &mut Sequence) -> String {
+        let tail = s.detok.finish();
+        match s.stop.push(&tail) {
+            StopCheck::Continue(x) => x + &s.stop.finish(),
+            StopCheck::Stopped(x) => x,
+        }
+    }
+
+    fn fail_step(&mut self, plan: &[Planned], message: &str) {
+        let mut idx: Vec<usize> = plan.iter().map(|p| p.seq).collect();
+        idx.sort_unstable();
+        for &i in idx.iter().rev() {
+            let s = self.running.remove(i);
+            self.pool.release(&s.blocks);
+            let _ = s.reply.send(Event::Failed { message: message.to_string() });
+            self.stats.requests_failed.fetch_add(1, Relaxed);
+        }
+    }
+
+    fn publish_gauges(&self) {
+        let st = &self.stats;
+        st.running_requests.store(self.running.len() as u64, Relaxed);
+        st.waiting_prompt_tokens.store(self.waiting.iter().map(|s| s.pending() as u64).sum(), Relaxed);
+        st.kv_blocks_used.store(self.pool.used() as u64, Relaxed);
+    }
+
+    /// Requests waiting (new or preempted) and running, for tests and load reports.
+    pub fn queue_lengths(&self) -> (usize, usize) {
+        (self.waiting.len(), self.running.len())
+    }
+
+    pub fn kv_blocks_used(&self) -> usize {
+        self.pool.used()
+    }
+}

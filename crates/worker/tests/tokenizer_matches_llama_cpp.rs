@@ -1,0 +1,242 @@
+//! Our tokenizer against llama.cpp on the default model's GGUF.
+//!
+//! A tokenizer that is only nearly right (a prefix space, digits grouped differently) makes no
+//! error anywhere: the model just sees prompts it was not trained on. llama.cpp is the reference
+//! for GGUF models, so `tests/fixtures/tokenizer_reference.json` holds the ids it gives for tricky
+//! lines (written by `scripts/reference/llama_cpp_tokenize.py`), and these tests hold us to them.
+//!
+//! The model file is required, not optional: without it these tests fail and say how to get it.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use bellows_worker::tokenizer::{ChatMessage, Detokenizer, ModelTokenizer};
+use candle_core::quantized::gguf_file::Content;
+use serde::Deserialize;
+
+const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Deserialize)]
+struct Reference {
+    model: String,
+    n_vocab: usize,
+    bos_id: u32,
+    eos_id: u32,
+    eog_ids: Vec<u32>,
+    cases: Vec<Case>,
+}
+
+#[derive(Deserialize)]
+struct Case {
+    text: String,
+    has_special: bool,
+    ids: Vec<u32>,
+    ids_add_special: Vec<u32>,
+    detokenized: String,
+}
+
+fn model_path() -> PathBuf {
+    match std::env::var_os("BELLOWS_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            let home = std::env::var_os("HOME").expect("HOME is not set");
+            PathBuf::from(home)
+                .join(".cache/bellows/models")
+                .join(DEFAULT_MODEL)
+        }
+    }
+}
+
+fn reference() -> &'static Reference {
+    static R: OnceLock<Reference> = OnceLock::new();
+    R.get_or_init(|| {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/tokenizer_reference.json"
+        );
+        let text = std::fs::read_to_string(path).expect("reading the llama.cpp reference fixture");
+        serde_json::from_str(&text).expect("parsing the llama.cpp reference fixture")
+    })
+}
+
+fn gguf() -> &'static Content {
+    static C: OnceLock<Content> = OnceLock::new();
+    C.get_or_init(|| {
+        let path = model_path();
+        let mut file = std::fs::File::open(&path).unwrap_or_else(|e| {
+            panic!(
+                "cannot open the model GGUF {} ({e}): run scripts/fetch-model.sh \
+                 (or set BELLOWS_MODEL to the model's path)",
+                path.display()
+            )
+        });
+        let name = path.file_name().unwrap().to_string_lossy();
+        assert_eq!(
+            name,
+            reference().model,
+            "the reference fixture was made for another model: regenerate it with \
+             scripts/reference/llama_cpp_tokenize.py --model {}",
+            path.display()
+        );
+        Content::read(&mut file).expect("reading GGUF metadata")
+    })
+}
+
+fn tokenizer() -> &'static ModelTokenizer {
+    static T: OnceLock<ModelTokenizer> = OnceLock::new();
+    T.get_or_init(|| {
+        ModelTokenizer::from_gguf(gguf()).expect("building the tokenizer from the GGUF")
+    })
+}
+
+#[test]
+fn encode_matches_llama_cpp_on_every_reference_line() {
+    let tok = tokenizer();
+    let mut mismatches = Vec::new();
+    for case in &reference().cases {
+        let ours = tok.encode(&case.text, false).unwrap();
+        if ours != case.ids {
+            mismatches.push(format!(
+                "{:?}\n  llama.cpp: {:?}\n  ours:      {:?}",
+                case.text, case.ids, ours
+            ));
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "{} of {} lines tokenize differently from llama.cpp:\n{}",
+        mismatches.len(),
+        reference().cases.len(),
+        mismatches.join("\n")
+    );
+}
+
+#[test]
+fn add_special_tokens_adds_bos_exactly_when_llama_cpp_does() {
+    let tok = tokenizer();
+    for case in &reference().cases {
+        assert_eq!(
+            tok.encode(&case.text, true).unwrap(),
+            case.ids_add_special,
+            "{:?}",
+            case.text
+        );
+    }
+}
+
+#[test]
+fn decode_of_encode_is_the_original_text_for_lines_without_control_tokens() {
+    let tok = tokenizer();
+    for case in reference().cases.iter().filter(|c| !c.has_special) {
+        assert_eq!(
+            tok.decode(&tok.encode(&case.text, false).unwrap()),
+            case.text
+        );
+    }
+}
+
+#[test]
+fn decode_matches_llama_cpp_detokenize_which_drops_control_tokens() {
+    let tok = tokenizer();
+    for case in &reference().cases {
+        assert_eq!(tok.decode(&case.ids), case.detokenized, "{:?}", case.text);
+    }
+}
+
+#[test]
+fn streaming_token_bytes_through_the_detokenizer_equals_decode() {
+    let tok = tokenizer();
+    for case in &reference().cases {
+        let mut d = Detokenizer::new();
+        let mut streamed = String::new();
+        for &id in &case.ids {
+            let piece = d.push(tok.token_bytes(id));
+            assert!(
+                !piece.contains('\u{FFFD}'),
+                "{:?}: streamed a replacement char",
+                case.text
+            );
+            streamed.push_str(&piece);
+        }
+        streamed.push_str(&d.finish());
+        assert_eq!(streamed, tok.decode(&case.ids), "{:?}", case.text);
+    }
+}
+
+#[test]
+fn special_ids_and_vocab_size_match_llama_cpp() {
+    let tok = tokenizer();
+    let r = reference();
+    assert_eq!(tok.vocab_size(), r.n_vocab);
+    assert_eq!(tok.bos_id(), Some(r.bos_id));
+    assert_eq!(tok.eos_ids()[0], r.eos_id, "the GGUF's eos comes first");
+    let mut ours = tok.eos_ids().to_vec();
+    ours.sort_unstable();
+    let mut theirs = r.eog_ids.clone();
+    theirs.sort_unstable();
+    assert_eq!(
+        ours, theirs,
+        "end-of-generation ids differ from llama.cpp's"
+    );
+    for &id in tok.eos_ids() {
+        assert!(
+            tok.token_bytes(id).is_empty(),
+            "eos id {id} would print text"
+        );
+    }
+}
+
+#[test]
+fn tokenizer_json_for_a_router_encodes_like_the_worker() {
+    let tok = tokenizer();
+    let json = tok.tokenizer_json().unwrap();
+    let router: tokenizers::Tokenizer = json.parse().unwrap();
+    for case in &reference().cases {
+        for add_special in [false, true] {
+            let theirs = router.encode(case.text.as_str(), add_special).unwrap();
+            assert_eq!(
+                theirs.get_ids(),
+                tok.encode(&case.text, add_special).unwrap(),
+                "{:?}",
+                case.text
+            );
+        }
+    }
+}
+
+#[test]
+fn smollm2_chat_template_from_the_gguf_renders_chatml() {
+    let tok = tokenizer();
+    assert!(
+        tok.chat_template()
+            .is_some_and(|t| t.contains("<|im_start|>"))
+    );
+    let user = ChatMessage {
+        role: "user".into(),
+        content: "What is 2+2?".into(),
+    };
+    let system = ChatMessage {
+        role: "system".into(),
+        content: "Be brief.".into(),
+    };
+
+    let prompt = tok
+        .apply_chat_template(std::slice::from_ref(&user), true)
+        .unwrap();
+    assert_eq!(
+        prompt,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let prompt = tok.apply_chat_template(&[system, user], false).unwrap();
+    assert_eq!(
+        prompt,
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+    );
+
+    // The rendered markers become control tokens, not text.
+    let ids = tok.encode(&prompt, false).unwrap();
+    assert_eq!(ids[0], 1, "<|im_start|>");
+    assert_eq!(ids.iter().filter(|&&id| id == 1).count(), 2);
+    assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 2);
+}
