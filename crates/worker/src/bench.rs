@@ -46,6 +46,9 @@ pub struct BenchArgs {
     /// Prefill token budget per step for the chunked ITL case.
     #[arg(long, default_value_t = 64)]
     pub itl_chunk: usize,
+    /// Step-time bound for the governed ITL case (multiple of a decode-only step).
+    #[arg(long, default_value_t = 1.5)]
+    pub itl_slowdown: f64,
 }
 
 /// What one stream saw.
@@ -132,7 +135,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let want = |s: &str| all || a.suite.split(',').any(|x| x == s);
     let mut out = json!({
         "model": ctx.path.file_name().map(|f| f.to_string_lossy().into_owned()),
-        "threads": rayon::current_num_threads(),
+        "threads": candle_core::utils::get_num_threads(),
     });
     if want("decode") {
         out["single_stream"] = bench_decode(&ctx, &a)?;
@@ -163,7 +166,9 @@ fn bench_decode(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
         let span = (*t.tokens.last().context("no tokens")? - t.tokens[0]).as_secs_f64();
         rates.push((t.tokens.len() - 1) as f64 / span);
     }
-    Ok(json!({ "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens, "decode_tok_s": median(rates.clone()), "runs": rates }))
+    Ok(
+        json!({ "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens, "decode_tok_s": median(rates.clone()), "runs": rates }),
+    )
 }
 
 fn bench_batch(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
@@ -231,8 +236,21 @@ fn bench_ttft(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
 
 fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     let mut out = serde_json::Map::new();
-    for (name, budget) in [("chunked", a.itl_chunk), ("unchunked", 2048 + 64)] {
-        let engine = ctx.engine(EngineConfig { max_batch_tokens: budget, max_running: 8.min(budget), ..Default::default() })?;
+    let cases = [
+        ("governed", EngineConfig::default().max_batch_tokens, Some(a.itl_slowdown)),
+        ("chunked", a.itl_chunk, None),
+        ("unchunked", 2048 + 64, None),
+    ];
+    for (name, budget, itl_slowdown) in cases {
+        // Room for 8 streams growing through a long prefill without preemption.
+        let cfg = EngineConfig {
+            max_batch_tokens: budget,
+            max_running: 16,
+            itl_slowdown,
+            kv_cache_mb: 2048,
+            ..Default::default()
+        };
+        let engine = ctx.engine(cfg)?;
         let h = engine.handle();
         let stop = AtomicBool::new(false);
         let long = ctx.long_prompt(2000, 7)?;
@@ -266,15 +284,19 @@ fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
             }
         }
         let (s99, d99) = (percentile(&steady, 0.99), percentile(&during, 0.99));
-        out.insert(name.into(), json!({
-            "max_batch_tokens": budget,
-            "long_prompt_tokens": long.len(),
-            "long_prompt_ttft_ms": (done - sent).as_secs_f64() * 1000.0,
-            "steady_itl_p50_ms": percentile(&steady, 0.5), "steady_itl_p99_ms": s99,
-            "during_itl_p50_ms": percentile(&during, 0.5), "during_itl_p99_ms": d99,
-            "during_p99_over_steady_p99": d99 / s99,
-            "gaps_steady": steady.len(), "gaps_during": during.len(),
-        }));
+        out.insert(
+            name.into(),
+            json!({
+                "max_batch_tokens": budget,
+                "itl_slowdown": itl_slowdown,
+                "long_prompt_tokens": long.len(),
+                "long_prompt_ttft_ms": (done - sent).as_secs_f64() * 1000.0,
+                "steady_itl_p50_ms": percentile(&steady, 0.5), "steady_itl_p99_ms": s99,
+                "during_itl_p50_ms": percentile(&during, 0.5), "during_itl_p99_ms": d99,
+                "during_p99_over_steady_p99": d99 / s99,
+                "gaps_steady": steady.len(), "gaps_during": during.len(),
+            }),
+        );
         eprintln!("  {name}: {}", out[name]);
     }
     Ok(Value::Object(out))

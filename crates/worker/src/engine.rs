@@ -39,6 +39,8 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     pub max_running: usize,
     pub max_waiting: usize,
+    /// See [`SchedulerConfig::itl_slowdown`].
+    pub itl_slowdown: Option<f64>,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +52,7 @@ impl Default for EngineConfig {
             max_batch_tokens: s.max_batch_tokens,
             max_running: s.max_running,
             max_waiting: s.max_waiting,
+            itl_slowdown: s.itl_slowdown,
         }
     }
 }
@@ -107,6 +110,7 @@ impl Engine {
             max_batch_tokens: cfg.max_batch_tokens,
             max_running: cfg.max_running,
             max_waiting: cfg.max_waiting,
+            itl_slowdown: cfg.itl_slowdown,
         };
         let shared = Arc::new(Shared {
             stats: stats.clone(),
@@ -217,9 +221,7 @@ impl EngineHandle {
         if prompt + completion > sh.context {
             return Err(SubmitError::ContextExceeded { prompt, completion, context: sh.context });
         }
-        req.params
-            .validate(vocab)
-            .map_err(|(param, reason)| SubmitError::InvalidParameter { param, reason })?;
+        req.params.validate(vocab).map_err(|(param, reason)| SubmitError::InvalidParameter { param, reason })?;
 
         // The cap: one atomic step, so concurrent submitters cannot overshoot it.
         let waiting = &sh.stats.waiting_requests;

@@ -6,6 +6,7 @@ pub mod engine;
 pub mod kv_cache;
 pub mod load;
 pub mod model;
+pub mod node;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

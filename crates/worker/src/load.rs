@@ -21,14 +21,18 @@ pub fn default_model_path() -> PathBuf {
     if let Some(p) = std::env::var_os("BELLOWS_MODEL") {
         return PathBuf::from(p);
     }
-    let dir = std::env::var_os("BELLOWS_MODEL_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/bellows/models")
-    });
+    let dir = std::env::var_os("BELLOWS_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/bellows/models"));
     dir.join(DEFAULT_MODEL_FILE)
 }
 
 /// Load weights and tokenizer from one GGUF file (`tokenizer_json` overrides the vocabulary).
-pub fn load_gguf(path: &Path, opts: &LoadOptions, tokenizer_json: Option<&Path>) -> Result<(LlamaModel, ModelTokenizer)> {
+pub fn load_gguf(
+    path: &Path,
+    opts: &LoadOptions,
+    tokenizer_json: Option<&Path>,
+) -> Result<(LlamaModel, ModelTokenizer)> {
     let mut f = File::open(path).with_context(|| {
         format!("cannot open model {} (the default model comes from scripts/fetch-model.sh)", path.display())
     })?;

@@ -1,6 +1,12 @@
-//! `bellows-worker`: run the engine from a terminal (`generate`) or benchmark it (`bench`).
+//! `bellows-worker`: run the engine from a terminal (`generate`), benchmark it (`bench`), or serve
+//! it as a cluster node (`serve`).
 
-use std::{io::Write, path::PathBuf, sync::Arc, time::Instant};
+use std::{
+    io::{IsTerminal, Write},
+    path::PathBuf,
+    sync::Arc,
+    time::Instant,
+};
 
 use anyhow::{Result, bail};
 use bellows_worker::{
@@ -8,6 +14,7 @@ use bellows_worker::{
     engine::{Engine, EngineConfig},
     load::{default_model_path, load_gguf},
     model::llama::LoadOptions,
+    node::{self, ServeArgs},
     request::{Event, GenerateRequest},
     sampling::SamplingParams,
     tokenizer::ChatMessage,
@@ -27,6 +34,9 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Run the engine benchmarks and print JSON.
     Bench(BenchArgs),
+    /// Serve the model as a cluster node: gRPC (Generate, ModelInfo, WatchLoad, health), etcd
+    /// registration, graceful drain on SIGTERM/SIGINT.
+    Serve(Box<ServeArgs>),
 }
 
 #[derive(Args)]
@@ -40,6 +50,10 @@ struct ModelArgs {
     /// Keep Q4_1/Q5_0/Q5_1 weights as they are instead of re-quantizing them to Q8_0.
     #[arg(long, env = "BELLOWS_NO_REQUANTIZE")]
     no_requantize: bool,
+    /// Do not zero-pad matmul inputs for candle's repacked Q8_0 kernels (slower, finer activation
+    /// quantization).
+    #[arg(long, env = "BELLOWS_NO_REPACK")]
+    no_repack: bool,
     /// KV cache budget in MiB.
     #[arg(long, env = "BELLOWS_KV_CACHE_MB", default_value_t = 512)]
     kv_cache_mb: usize,
@@ -75,19 +89,26 @@ struct GenerateArgs {
 }
 
 fn main() -> Result<()> {
+    let cli = Cli::parse();
+    // A node logs one line per request; the terminal tools only warnings.
+    let default_filter = if matches!(cli.cmd, Cmd::Serve(_)) { "info" } else { "warn" };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
+        )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
-    match Cli::parse().cmd {
+    match cli.cmd {
         Cmd::Generate(a) => generate(a),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Serve(a) => node::run(*a),
     }
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
     let path = a.model.model.clone().unwrap_or_else(default_model_path);
-    let opts = LoadOptions { requantize: !a.model.no_requantize, progress: true };
+    let opts = LoadOptions { requantize: !a.model.no_requantize, repack: !a.model.no_repack, progress: true };
     let t0 = Instant::now();
     let (model, tok) = load_gguf(&path, &opts, a.model.tokenizer_json.as_deref())?;
     let load_s = t0.elapsed().as_secs_f64();
@@ -108,7 +129,13 @@ fn generate(a: GenerateArgs) -> Result<()> {
         tok.clone(),
         EngineConfig { kv_cache_mb: a.model.kv_cache_mb, ..Default::default() },
     )?;
-    let params = SamplingParams { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed, ..Default::default() };
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        seed: a.seed,
+        ..Default::default()
+    };
     let mut req = GenerateRequest::new(prompt.clone(), params, a.max_tokens);
     req.stop = a.stop;
     let mut rx = engine.handle().submit(req)?;

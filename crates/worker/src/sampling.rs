@@ -96,11 +96,8 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
         let seed = params.seed.unwrap_or_else(rand::random);
-        let seen = if params.repetition_penalty != 1.0 {
-            prompt.iter().map(|&t| (t, ())).collect()
-        } else {
-            HashMap::new()
-        };
+        let seen =
+            if params.repetition_penalty != 1.0 { prompt.iter().map(|&t| (t, ())).collect() } else { HashMap::new() };
         Sampler { rng: ChaCha8Rng::seed_from_u64(seed), params, seen, generated: HashMap::new() }
     }
 
@@ -250,7 +247,7 @@ mod tests {
         let p = SamplingParams { presence_penalty: 2.0, ..SamplingParams::greedy() };
         let mut s = Sampler::new(p, &[]);
         s.observe(1);
-        assert_eq!(s.sample(&mut logits()), 2, "token 1 (3.0) penalized to 1.0; 2.9 wins");
+        assert_eq!(s.sample(&mut logits()), 4, "token 1 (3.0) penalized to 1.0; token 4 (2.9) wins");
 
         let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() };
         assert_eq!(Sampler::new(p, &[1]).sample(&mut logits()), 4, "prompt token 1 halved to 1.5");

@@ -9,7 +9,9 @@
 //!    out-of-memory and never the oldest, which is closest to done;
 //! 4. fills the rest of `max_batch_tokens` with prefill chunks, starting at a different
 //!    prefilling sequence each tick, so a long prompt can neither starve a short one nor hold
-//!    running streams for more than one chunk;
+//!    running streams for more than one chunk. With `itl_slowdown` set, the prefill share of a
+//!    step that also decodes is steered so the step takes at most that multiple of a decode-only
+//!    step: running streams keep their pace, long prompts take longer;
 //! 5. runs the model once, samples every row that reached its end, and streams each request's
 //!    text to its own channel.
 //!
@@ -51,11 +53,68 @@ pub struct SchedulerConfig {
     pub max_running: usize,
     /// New requests that may wait for admission; more are refused at once. Default 256.
     pub max_waiting: usize,
+    /// When set (e.g. 1.5), a step that mixes prefill with decoding may take at most this multiple
+    /// of a decode-only step; the prefill tokens per step adapt to hold it. Default off: prefill
+    /// takes whatever `max_batch_tokens` leaves.
+    pub itl_slowdown: Option<f64>,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        SchedulerConfig { block_size: 16, num_blocks: 1024, max_batch_tokens: 256, max_running: 64, max_waiting: 256 }
+        SchedulerConfig {
+            block_size: 16,
+            num_blocks: 1024,
+            max_batch_tokens: 256,
+            max_running: 64,
+            max_waiting: 256,
+            itl_slowdown: None,
+        }
+    }
+}
+
+/// Steers the prefill tokens of mixed steps toward `slowdown` x the decode-only step time:
+/// multiplicative decrease when a step ran long, gentle increase when it ran short.
+///
+/// The reference must stay current: decode steps slow down as running contexts grow, and a long
+/// prefill leaves no decode-only step to measure. So every `PROBE_EVERY` mixed steps one step runs
+/// without prefill to refresh it; otherwise a stale, fast reference would pin prefill at one token
+/// a step while the streams themselves slow down.
+struct PrefillGovernor {
+    slowdown: f64,
+    /// Smoothed decode-only step time, seconds.
+    decode_step: Option<f64>,
+    budget: usize,
+    mixed_since_probe: usize,
+}
+
+impl PrefillGovernor {
+    const START: usize = 8;
+    const PROBE_EVERY: usize = 16;
+
+    fn new(slowdown: f64) -> Self {
+        PrefillGovernor { slowdown, decode_step: None, budget: Self::START, mixed_since_probe: 0 }
+    }
+
+    /// Prefill tokens the next step (which also decodes) may carry; `None` = no limit yet.
+    fn limit(&self) -> Option<usize> {
+        self.decode_step?;
+        Some(if self.mixed_since_probe >= Self::PROBE_EVERY { 0 } else { self.budget })
+    }
+
+    fn observe(&mut self, prefill_tokens: usize, decode_tokens: usize, secs: f64, max: usize) {
+        if prefill_tokens == 0 {
+            self.decode_step = Some(self.decode_step.map_or(secs, |d| 0.5 * d + 0.5 * secs));
+            self.mixed_since_probe = 0;
+        } else if decode_tokens > 0 {
+            self.mixed_since_probe += 1;
+            let Some(d) = self.decode_step else { return };
+            let target = self.slowdown * d;
+            self.budget = if secs > target {
+                ((self.budget as f64 * target / secs) as usize).max(1)
+            } else {
+                (self.budget + self.budget.div_ceil(8)).min(max)
+            };
+        }
     }
 }
 
@@ -147,6 +206,7 @@ pub struct Scheduler {
     vocab: Arc<dyn Vocab>,
     stats: Arc<Stats>,
     rr: usize,
+    governor: Option<PrefillGovernor>,
 }
 
 impl Scheduler {
@@ -154,7 +214,8 @@ impl Scheduler {
         assert!(cfg.max_running <= cfg.max_batch_tokens, "max_running must not exceed max_batch_tokens");
         let pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
         stats.kv_blocks_total.store(cfg.num_blocks as u64, Relaxed);
-        Scheduler { cfg, pool, waiting: VecDeque::new(), running: Vec::new(), vocab, stats, rr: 0 }
+        let governor = cfg.itl_slowdown.map(PrefillGovernor::new);
+        Scheduler { cfg, pool, waiting: VecDeque::new(), running: Vec::new(), vocab, stats, rr: 0, governor }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -233,7 +294,11 @@ impl Scheduler {
                 self.fail_step(&plan, &format!("model panicked: {msg}"));
             }
         }
-        self.stats.record_step(prefill_tokens, decode_tokens, started.elapsed());
+        let took = started.elapsed();
+        if let Some(g) = &mut self.governor {
+            g.observe(prefill_tokens, decode_tokens, took.as_secs_f64(), self.cfg.max_batch_tokens);
+        }
+        self.stats.record_step(prefill_tokens, decode_tokens, took);
         self.publish_gauges();
         true
     }
@@ -334,6 +399,12 @@ impl Scheduler {
                 plan.push(Planned { seq: i, len: 1 });
                 budget -= 1;
             }
+        }
+        // Only steps that also decode are governed: a prefill-only step delays no stream.
+        if !plan.is_empty()
+            && let Some(limit) = self.governor.as_ref().and_then(PrefillGovernor::limit)
+        {
+            budget = budget.min(limit);
         }
         let prefilling: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].pending() > 1).collect();
         if !prefilling.is_empty() {
@@ -443,5 +514,60 @@ impl Scheduler {
 
     pub fn kv_blocks_used(&self) -> usize {
         self.pool.used()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PrefillGovernor;
+
+    fn governor() -> PrefillGovernor {
+        PrefillGovernor::new(1.5)
+    }
+
+    #[test]
+    fn the_governor_does_not_limit_prefill_before_it_has_seen_a_decode_step() {
+        let mut g = governor();
+        assert_eq!(g.limit(), None);
+        g.observe(100, 4, 0.5, 256);
+        assert_eq!(g.limit(), None, "a mixed step alone says nothing about decode speed");
+    }
+
+    #[test]
+    fn a_slow_mixed_step_shrinks_the_prefill_share_in_proportion() {
+        let mut g = governor();
+        g.observe(0, 8, 0.010, 256);
+        assert_eq!(g.limit(), Some(8));
+        g.observe(8, 8, 0.030, 256); // target 15 ms: half the time, so half the tokens
+        assert_eq!(g.limit(), Some(4));
+        g.observe(4, 8, 1.0, 256);
+        assert_eq!(g.limit(), Some(1), "never below one token: prefill must progress");
+    }
+
+    #[test]
+    fn a_fast_mixed_step_grows_the_prefill_share_up_to_the_batch_budget() {
+        let mut g = governor();
+        g.observe(0, 8, 0.010, 256);
+        g.observe(8, 8, 0.012, 256);
+        assert_eq!(g.limit(), Some(9));
+        for _ in 0..100 {
+            g.observe(9, 8, 0.001, 256);
+            g.observe(0, 8, 0.010, 256); // keep probing so the limit is the budget
+        }
+        assert_eq!(g.limit(), Some(256));
+    }
+
+    #[test]
+    fn a_decode_only_probe_runs_every_so_often_to_keep_the_reference_current() {
+        let mut g = governor();
+        g.observe(0, 8, 0.010, 256);
+        for _ in 0..PrefillGovernor::PROBE_EVERY {
+            assert_ne!(g.limit(), Some(0));
+            g.observe(8, 8, 0.012, 256);
+        }
+        assert_eq!(g.limit(), Some(0), "the next step must decode only");
+        g.observe(0, 8, 0.030, 256); // contexts grew: decode steps are slower now
+        assert_eq!(g.decode_step, Some(0.020));
+        assert_ne!(g.limit(), Some(0));
     }
 }

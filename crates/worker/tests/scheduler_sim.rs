@@ -72,7 +72,10 @@ fn every_invalid_request_is_refused_with_its_own_error_before_any_work() {
     let h = e.handle();
     let ctx = h.context_length();
     assert_eq!(h.submit(req(vec![], 4)).unwrap_err(), SubmitError::EmptyPrompt);
-    assert_eq!(h.submit(req(vec![1, 5000], 4)).unwrap_err(), SubmitError::TokenOutOfVocabulary { token: 5000, vocab: 1024 });
+    assert_eq!(
+        h.submit(req(vec![1, 5000], 4)).unwrap_err(),
+        SubmitError::TokenOutOfVocabulary { token: 5000, vocab: 1024 }
+    );
     assert_eq!(h.submit(req(vec![1], 0)).unwrap_err(), SubmitError::ZeroMaxTokens);
     assert_eq!(
         h.submit(req(vec![1; 10], ctx as u32)).unwrap_err(),
@@ -226,7 +229,8 @@ fn kv_events_carry_the_same_hashes_the_router_computes() {
 #[test]
 fn a_full_pool_evicts_cached_blocks_and_says_so() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let e = sim_engine(SimConfig { context_length: 64, ..fast() }, EngineConfig { kv_cache_mb: 1, ..Default::default() });
+    let e =
+        sim_engine(SimConfig { context_length: 64, ..fast() }, EngineConfig { kv_cache_mb: 1, ..Default::default() });
     let h = e.handle();
     let mut sub = rt.block_on(h.subscribe_kv()).unwrap();
     // 64 blocks in 1 MiB; fill them with distinct prompts of 2 full blocks each (the first

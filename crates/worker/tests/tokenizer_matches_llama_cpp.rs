@@ -40,9 +40,7 @@ fn model_path() -> PathBuf {
         Some(p) => PathBuf::from(p),
         None => {
             let home = std::env::var_os("HOME").expect("HOME is not set");
-            PathBuf::from(home)
-                .join(".cache/bellows/models")
-                .join(DEFAULT_MODEL)
+            PathBuf::from(home).join(".cache/bellows/models").join(DEFAULT_MODEL)
         }
     }
 }
@@ -50,10 +48,7 @@ fn model_path() -> PathBuf {
 fn reference() -> &'static Reference {
     static R: OnceLock<Reference> = OnceLock::new();
     R.get_or_init(|| {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/tokenizer_reference.json"
-        );
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer_reference.json");
         let text = std::fs::read_to_string(path).expect("reading the llama.cpp reference fixture");
         serde_json::from_str(&text).expect("parsing the llama.cpp reference fixture")
     })
@@ -84,9 +79,7 @@ fn gguf() -> &'static Content {
 
 fn tokenizer() -> &'static ModelTokenizer {
     static T: OnceLock<ModelTokenizer> = OnceLock::new();
-    T.get_or_init(|| {
-        ModelTokenizer::from_gguf(gguf()).expect("building the tokenizer from the GGUF")
-    })
+    T.get_or_init(|| ModelTokenizer::from_gguf(gguf()).expect("building the tokenizer from the GGUF"))
 }
 
 #[test]
@@ -96,10 +89,7 @@ fn encode_matches_llama_cpp_on_every_reference_line() {
     for case in &reference().cases {
         let ours = tok.encode(&case.text, false).unwrap();
         if ours != case.ids {
-            mismatches.push(format!(
-                "{:?}\n  llama.cpp: {:?}\n  ours:      {:?}",
-                case.text, case.ids, ours
-            ));
+            mismatches.push(format!("{:?}\n  llama.cpp: {:?}\n  ours:      {:?}", case.text, case.ids, ours));
         }
     }
     assert!(
@@ -115,12 +105,7 @@ fn encode_matches_llama_cpp_on_every_reference_line() {
 fn add_special_tokens_adds_bos_exactly_when_llama_cpp_does() {
     let tok = tokenizer();
     for case in &reference().cases {
-        assert_eq!(
-            tok.encode(&case.text, true).unwrap(),
-            case.ids_add_special,
-            "{:?}",
-            case.text
-        );
+        assert_eq!(tok.encode(&case.text, true).unwrap(), case.ids_add_special, "{:?}", case.text);
     }
 }
 
@@ -128,10 +113,7 @@ fn add_special_tokens_adds_bos_exactly_when_llama_cpp_does() {
 fn decode_of_encode_is_the_original_text_for_lines_without_control_tokens() {
     let tok = tokenizer();
     for case in reference().cases.iter().filter(|c| !c.has_special) {
-        assert_eq!(
-            tok.decode(&tok.encode(&case.text, false).unwrap()),
-            case.text
-        );
+        assert_eq!(tok.decode(&tok.encode(&case.text, false).unwrap()), case.text);
     }
 }
 
@@ -151,11 +133,7 @@ fn streaming_token_bytes_through_the_detokenizer_equals_decode() {
         let mut streamed = String::new();
         for &id in &case.ids {
             let piece = d.push(tok.token_bytes(id));
-            assert!(
-                !piece.contains('\u{FFFD}'),
-                "{:?}: streamed a replacement char",
-                case.text
-            );
+            assert!(!piece.contains('\u{FFFD}'), "{:?}: streamed a replacement char", case.text);
             streamed.push_str(&piece);
         }
         streamed.push_str(&d.finish());
@@ -174,15 +152,9 @@ fn special_ids_and_vocab_size_match_llama_cpp() {
     ours.sort_unstable();
     let mut theirs = r.eog_ids.clone();
     theirs.sort_unstable();
-    assert_eq!(
-        ours, theirs,
-        "end-of-generation ids differ from llama.cpp's"
-    );
+    assert_eq!(ours, theirs, "end-of-generation ids differ from llama.cpp's");
     for &id in tok.eos_ids() {
-        assert!(
-            tok.token_bytes(id).is_empty(),
-            "eos id {id} would print text"
-        );
+        assert!(tok.token_bytes(id).is_empty(), "eos id {id} would print text");
     }
 }
 
@@ -194,12 +166,7 @@ fn tokenizer_json_for_a_router_encodes_like_the_worker() {
     for case in &reference().cases {
         for add_special in [false, true] {
             let theirs = router.encode(case.text.as_str(), add_special).unwrap();
-            assert_eq!(
-                theirs.get_ids(),
-                tok.encode(&case.text, add_special).unwrap(),
-                "{:?}",
-                case.text
-            );
+            assert_eq!(theirs.get_ids(), tok.encode(&case.text, add_special).unwrap(), "{:?}", case.text);
         }
     }
 }
@@ -207,32 +174,18 @@ fn tokenizer_json_for_a_router_encodes_like_the_worker() {
 #[test]
 fn smollm2_chat_template_from_the_gguf_renders_chatml() {
     let tok = tokenizer();
-    assert!(
-        tok.chat_template()
-            .is_some_and(|t| t.contains("<|im_start|>"))
-    );
-    let user = ChatMessage {
-        role: "user".into(),
-        content: "What is 2+2?".into(),
-    };
-    let system = ChatMessage {
-        role: "system".into(),
-        content: "Be brief.".into(),
-    };
+    assert!(tok.chat_template().is_some_and(|t| t.contains("<|im_start|>")));
+    let user = ChatMessage { role: "user".into(), content: "What is 2+2?".into() };
+    let system = ChatMessage { role: "system".into(), content: "Be brief.".into() };
 
-    let prompt = tok
-        .apply_chat_template(std::slice::from_ref(&user), true)
-        .unwrap();
+    let prompt = tok.apply_chat_template(std::slice::from_ref(&user), true).unwrap();
     assert_eq!(
         prompt,
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
          <|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     );
     let prompt = tok.apply_chat_template(&[system, user], false).unwrap();
-    assert_eq!(
-        prompt,
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
-    );
+    assert_eq!(prompt, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n");
 
     // The rendered markers become control tokens, not text.
     let ids = tok.encode(&prompt, false).unwrap();

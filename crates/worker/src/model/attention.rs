@@ -2,10 +2,8 @@
 //!
 //! Every query's scores are summed in position order 0..=pos, whatever the batch or chunk it came
 //! in: that fixed order is what makes a request's output independent of chunk size and of its
-//! batch neighbours (bit-exact, not merely close). Work is split across threads by (token, head),
-//! which changes who computes a value, never the order of its sums.
-
-use rayon::prelude::*;
+//! batch neighbours (bit-exact, not merely close). Work is split across threads by (token, KV
+//! head), which changes who computes a value, never the order of its sums.
 
 use super::BatchRow;
 
@@ -47,10 +45,8 @@ impl Rope {
 
     /// Rotate one head vector in place for position `pos`.
     pub fn apply(&self, x: &mut [f32], pos: usize) {
-        let (c, s) = (
-            &self.cos[pos * self.half..(pos + 1) * self.half],
-            &self.sin[pos * self.half..(pos + 1) * self.half],
-        );
+        let (c, s) =
+            (&self.cos[pos * self.half..(pos + 1) * self.half], &self.sin[pos * self.half..(pos + 1) * self.half]);
         match self.style {
             RopeStyle::Interleaved => {
                 for i in 0..self.half {
@@ -82,12 +78,13 @@ pub struct Heads {
 pub struct LayerKv {
     k: Vec<f32>,
     v: Vec<f32>,
+    block_size: usize,
 }
 
 impl LayerKv {
     pub fn new(num_blocks: usize, block_size: usize, heads: Heads) -> Self {
         let n = num_blocks * block_size * heads.n_kv_head * heads.head_dim;
-        LayerKv { k: vec![0.0; n], v: vec![0.0; n] }
+        LayerKv { k: vec![0.0; n], v: vec![0.0; n], block_size }
     }
 }
 
@@ -99,17 +96,18 @@ fn slot_offset(blocks: &[crate::kv_cache::BlockId], block_size: usize, pos: usiz
 
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent lanes in a fixed order: vectorizes, and stays deterministic.
+    // Eight independent lanes in a fixed order: one AVX register, and deterministic.
     let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
+    let (ac, ar) = a.as_chunks::<8>();
+    let (bc, br) = b.as_chunks::<8>();
+    for (x, y) in ac.iter().zip(bc) {
         for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+            acc[l] += x[l] * y[l];
         }
     }
     let mut s = (acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y;
     }
     s
 }
@@ -123,11 +121,11 @@ pub fn paged_attention(
     k: &mut [f32],
     v: &[f32],
     kv: &mut LayerKv,
-    block_size: usize,
     heads: Heads,
     rope: &Rope,
 ) -> Vec<f32> {
     let Heads { n_head, n_kv_head, head_dim: hd } = heads;
+    let block_size = kv.block_size;
     let (q_row, kv_row) = (n_head * hd, n_kv_head * hd);
 
     // Token index -> (row, position): flat list so threads can take any token.
@@ -138,26 +136,10 @@ pub fn paged_attention(
         }
     }
 
-    // Small steps (decode) run on this thread: waking the pool costs more than the work, and
-    // spinning workers hurt badly when cores are shared.
-    let work: usize = token_pos.iter().map(|&(_, p)| p + 1).sum::<usize>() * n_head * hd;
-    let parallel = work >= PARALLEL_MIN_WORK;
-
-    let rotate = |(qt, kt): (&mut [f32], &mut [f32]), pos: usize| {
-        for h in qt.chunks_mut(hd) {
+    for ((qt, kt), &(_, pos)) in q.chunks_mut(q_row).zip(k.chunks_mut(kv_row)).zip(&token_pos) {
+        for h in qt.chunks_mut(hd).chain(kt.chunks_mut(hd)) {
             rope.apply(h, pos);
         }
-        for h in kt.chunks_mut(hd) {
-            rope.apply(h, pos);
-        }
-    };
-    if parallel {
-        q.par_chunks_mut(q_row)
-            .zip(k.par_chunks_mut(kv_row))
-            .zip(&token_pos)
-            .for_each(|(qk, &(_, pos))| rotate(qk, pos));
-    } else {
-        q.chunks_mut(q_row).zip(k.chunks_mut(kv_row)).zip(&token_pos).for_each(|(qk, &(_, pos))| rotate(qk, pos));
     }
 
     for (t, &(r, pos)) in token_pos.iter().enumerate() {
@@ -170,41 +152,82 @@ pub fn paged_attention(
     let group = n_head / n_kv_head;
     let mut out = vec![0f32; q.len()];
     let kv = &*kv;
-    let head = |scores: &mut Vec<f32>, (i, o): (usize, &mut [f32])| {
-        let (t, h) = (i / n_head, i % n_head);
+    // One task per (token, KV head): the query heads sharing that KV head read each K/V row once.
+    let task = |i: usize, o: &mut [f32], scores: &mut Vec<f32>| {
+        let (t, g) = (i / n_kv_head, i % n_kv_head);
         let (r, pos) = token_pos[t];
-        let blocks = rows[r].blocks;
-        let qh = &q[t * q_row + h * hd..t * q_row + (h + 1) * hd];
-        let kvh = h / group;
+        let n = pos + 1;
+        let qs = &q[t * q_row + g * group * hd..t * q_row + (g + 1) * group * hd];
         scores.clear();
-        let mut max = f32::NEG_INFINITY;
-        for p in 0..=pos {
-            let off = slot_offset(blocks, block_size, p, kv_row) + kvh * hd;
-            let s = dot(qh, &kv.k[off..off + hd]) * scale;
-            max = max.max(s);
-            scores.push(s);
-        }
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let inv = 1.0 / sum;
-        for (p, s) in scores.iter().enumerate() {
-            let off = slot_offset(blocks, block_size, p, kv_row) + kvh * hd;
-            let w = s * inv;
-            for (o, x) in o.iter_mut().zip(&kv.v[off..off + hd]) {
-                *o += w * x;
+        scores.resize(group * n, 0.0);
+        // Walk the sequence's blocks in position order; rows within a block are contiguous.
+        let visit = |f: &mut dyn FnMut(usize, usize)| {
+            let mut p = 0;
+            for b in rows[r].blocks {
+                if p >= n {
+                    break;
+                }
+                let base = b.index() * block_size * kv_row + g * hd;
+                for s in 0..block_size.min(n - p) {
+                    f(p + s, base + s * kv_row);
+                }
+                p += block_size;
             }
+        };
+        visit(&mut |p, off| {
+            let k = &kv.k[off..off + hd];
+            for (qh, qv) in qs.chunks_exact(hd).enumerate() {
+                scores[qh * n + p] = dot(qv, k) * scale;
+            }
+        });
+        for row in scores.chunks_exact_mut(n) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let mut sum = 0f32;
+            for x in row.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            let inv = 1.0 / sum;
+            row.iter_mut().for_each(|x| *x *= inv);
         }
+        visit(&mut |p, off| {
+            let v = &kv.v[off..off + hd];
+            for (qh, oh) in o.chunks_exact_mut(hd).enumerate() {
+                let w = scores[qh * n + p];
+                for (o, x) in oh.iter_mut().zip(v) {
+                    *o += w * x;
+                }
+            }
+        });
     };
-    if parallel {
-        out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, head);
-    } else {
-        let mut scores = Vec::new();
-        out.chunks_mut(hd).enumerate().for_each(|x| head(&mut scores, x));
-    }
+    // Small steps (decode) run on this thread: waking the pool costs more than the work.
+    let work: usize = token_pos.iter().map(|&(_, p)| p + 1).sum::<usize>() * n_head * hd;
+    for_each_chunk(&mut out, group * hd, work >= PARALLEL_MIN_WORK, task);
     out
+}
+
+/// Run `f(i, chunk i, scratch)` over the `width`-wide chunks of `out`, in parallel on candle's
+/// matmul thread pool: attention and matmuls then share one set of threads. (A second pool, such
+/// as rayon's, spins beside candle's and oversubscribes the cores.)
+fn for_each_chunk(out: &mut [f32], width: usize, parallel: bool, f: impl Fn(usize, &mut [f32], &mut Vec<f32>) + Sync) {
+    if !parallel {
+        let mut scratch = Vec::new();
+        for (i, c) in out.chunks_mut(width).enumerate() {
+            f(i, c, &mut scratch);
+        }
+        return;
+    }
+    let n = out.len() / width;
+    let base = out.as_mut_ptr() as usize;
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        let mut scratch = Vec::new();
+        for i in range {
+            // SAFETY: execute_chunked hands each index to exactly one thread, so chunk i has one
+            // writer; `out` outlives the call, which returns only when every worker is done.
+            let chunk = unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add(i * width), width) };
+            f(i, chunk, &mut scratch);
+        }
+    });
 }
 
 #[cfg(test)]

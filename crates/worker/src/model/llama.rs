@@ -27,13 +27,17 @@ use super::{
 pub struct LoadOptions {
     /// Re-quantize Q4_1/Q5_0/Q5_1 weights to Q8_0 (faster matmuls on x86, slightly more memory).
     pub requantize: bool,
+    /// Zero-pad matmul inputs so candle's repacked Q8_0 kernels apply, where the CPU has them
+    /// (about 1.5x faster decode on the default model; activations are then quantized per 256
+    /// values instead of per 32).
+    pub repack: bool,
     /// Show a progress bar on stderr while loading (hidden when stderr is not a terminal).
     pub progress: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { requantize: true, progress: false }
+        LoadOptions { requantize: true, repack: true, progress: false }
     }
 }
 
@@ -52,30 +56,20 @@ pub struct LlamaConfig {
 
 impl LlamaConfig {
     pub fn from_gguf(c: &gguf_file::Content) -> Result<Self> {
-        let arch = c
-            .metadata
-            .get("general.architecture")
-            .context("GGUF has no general.architecture")?
-            .to_string()?
-            .clone();
+        let arch =
+            c.metadata.get("general.architecture").context("GGUF has no general.architecture")?.to_string()?.clone();
         if arch != "llama" && arch != "qwen2" {
             bail!("unsupported architecture {arch:?} (supported: llama, qwen2)");
         }
-        let get = |k: &str| {
-            c.metadata.get(&format!("{arch}.{k}")).with_context(|| format!("GGUF lacks {arch}.{k}"))
-        };
+        let get = |k: &str| c.metadata.get(&format!("{arch}.{k}")).with_context(|| format!("GGUF lacks {arch}.{k}"));
         let n_head = get("attention.head_count")?.to_u32()? as usize;
         let hidden = get("embedding_length")?.to_u32()? as usize;
         let n_kv_head = match get("attention.head_count_kv") {
             Ok(v) => v.to_u32()? as usize,
             Err(_) => n_head,
         };
-        let vocab_size = c
-            .tensor_infos
-            .get("token_embd.weight")
-            .context("GGUF lacks token_embd.weight")?
-            .shape
-            .dims()[0];
+        let vocab_size =
+            c.tensor_infos.get("token_embd.weight").context("GGUF lacks token_embd.weight")?.shape.dims()[0];
         Ok(LlamaConfig {
             n_layer: get("block_count")?.to_u32()? as usize,
             hidden,
@@ -89,9 +83,45 @@ impl LlamaConfig {
     }
 }
 
+/// A quantized matmul whose input is zero-padded to a multiple of 256 columns where that lets
+/// candle use its repacked Q8_0 kernels (x86 with AVX-VNNI): those read the weights about twice as
+/// fast as the generic path, which more than pays for the padding (576 -> 768 for SmolLM2).
+/// Zero columns add exact zeros, and the kernels still work row by row, so batch invariance holds.
+struct Linear {
+    mm: QMatMul,
+    pad: usize,
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.pad == 0 {
+            return Ok(self.mm.forward(x)?);
+        }
+        Ok(self.mm.forward(&x.pad_with_zeros(D::Minus1, 0, self.pad)?)?)
+    }
+}
+
+/// Whether candle 0.11's repacked Q8_0 matmul runs on this CPU (it needs VNNI; plain AVX2 falls
+/// back to the generic kernel, where padding would only cost).
+fn cpu_has_repacked_q8_0() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avxvnni")
+            || (std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vnni"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Row widths the repacked kernels take.
+const REPACK_K: usize = 256;
+const REPACK_N: usize = 16;
+
 /// One or more projections that share an input, run as a single matmul.
 struct Fused {
-    mm: QMatMul,
+    mm: Linear,
     bias: Option<Tensor>,
     widths: Vec<usize>,
 }
@@ -118,10 +148,10 @@ impl Fused {
 struct Layer {
     attn_norm: Tensor,
     qkv: Fused,
-    wo: QMatMul,
+    wo: Linear,
     ffn_norm: Tensor,
     gate_up: Fused,
-    down: QMatMul,
+    down: Linear,
 }
 
 pub struct LlamaModel {
@@ -131,10 +161,9 @@ pub struct LlamaModel {
     embed: QTensor,
     layers: Vec<Layer>,
     norm: Tensor,
-    lm_head: QMatMul,
+    lm_head: Linear,
     rope: Rope,
     kv: Vec<LayerKv>,
-    block_size: usize,
 }
 
 struct Loader<'a> {
@@ -142,6 +171,7 @@ struct Loader<'a> {
     file: File,
     device: Device,
     requantize: bool,
+    pad: bool,
 }
 
 impl Loader<'_> {
@@ -153,6 +183,20 @@ impl Loader<'_> {
             return Ok(QTensor::quantize(&f, GgmlDType::Q8_0)?);
         }
         Ok(t)
+    }
+
+    /// A matmul over `t`, padded for the repacked kernels where that helps.
+    fn linear(&self, t: QTensor) -> Result<Linear> {
+        let (n, k) = t.shape().dims2()?;
+        if self.pad && self.device.is_cpu() && t.dtype() == GgmlDType::Q8_0 && k % REPACK_K != 0 && n % REPACK_N == 0 {
+            let pad = k.next_multiple_of(REPACK_K) - k;
+            let w = t.dequantize(&self.device)?.pad_with_zeros(D::Minus1, 0, pad)?;
+            let lin = Linear { mm: QMatMul::from_qtensor(QTensor::quantize(&w, GgmlDType::Q8_0)?)?, pad };
+            // The kernels repack weights on first use: do it now, not in the first request.
+            lin.forward(&Tensor::zeros((1, k), candle_core::DType::F32, &self.device)?)?;
+            return Ok(lin);
+        }
+        Ok(Linear { mm: QMatMul::from_qtensor(t)?, pad: 0 })
     }
 
     fn f32(&mut self, name: &str) -> Result<Tensor> {
@@ -176,16 +220,13 @@ impl Loader<'_> {
                 bytes.extend_from_slice(&p.data()?);
             }
             let storage = QStorage::from_data(bytes.into(), &self.device, dtype)?;
-            QMatMul::from_qtensor(QTensor::new(storage, (widths.iter().sum::<usize>(), k))?)?
+            self.linear(QTensor::new(storage, (widths.iter().sum::<usize>(), k))?)?
         } else if parts.len() == 1 {
-            QMatMul::from_qtensor(parts.into_iter().next().expect("one part"))?
+            self.linear(parts.into_iter().next().expect("one part"))?
         } else {
             // Mixed types: dequantize and re-quantize the whole as Q8_0.
-            let f = parts
-                .iter()
-                .map(|p| p.dequantize(&self.device))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            QMatMul::from_qtensor(QTensor::quantize(&Tensor::cat(&f, 0)?, GgmlDType::Q8_0)?)?
+            let f = parts.iter().map(|p| p.dequantize(&self.device)).collect::<candle_core::Result<Vec<_>>>()?;
+            self.linear(QTensor::quantize(&Tensor::cat(&f, 0)?, GgmlDType::Q8_0)?)?
         };
         let bias = if biases.is_empty() {
             None
@@ -206,7 +247,13 @@ impl LlamaModel {
         let cfg = LlamaConfig::from_gguf(content)?;
         let device = default_device()?;
         let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-        let mut l = Loader { content, file, device: device.clone(), requantize: opts.requantize };
+        let mut l = Loader {
+            content,
+            file,
+            device: device.clone(),
+            requantize: opts.requantize,
+            pad: opts.repack && cpu_has_repacked_q8_0(),
+        };
 
         let bar = if opts.progress {
             indicatif::ProgressBar::new(cfg.n_layer as u64 + 2)
@@ -221,10 +268,11 @@ impl LlamaModel {
 
         let embed = l.content.tensor(&mut l.file, "token_embd.weight", &device)?;
         let lm_head = if content.tensor_infos.contains_key("output.weight") {
-            QMatMul::from_qtensor(l.qtensor("output.weight")?)?
+            l.qtensor("output.weight")?
         } else {
-            QMatMul::from_qtensor(l.qtensor("token_embd.weight")?)? // tied embeddings
+            l.qtensor("token_embd.weight")? // tied embeddings
         };
+        let lm_head = l.linear(lm_head)?;
         let norm = l.f32("output_norm.weight")?;
         bar.inc(2);
         let mut layers = Vec::with_capacity(cfg.n_layer);
@@ -237,10 +285,16 @@ impl LlamaModel {
             layers.push(Layer {
                 attn_norm: l.f32(&p("attn_norm.weight"))?,
                 qkv,
-                wo: QMatMul::from_qtensor(l.qtensor(&p("attn_output.weight"))?)?,
+                wo: {
+                    let t = l.qtensor(&p("attn_output.weight"))?;
+                    l.linear(t)?
+                },
                 ffn_norm: l.f32(&p("ffn_norm.weight"))?,
                 gate_up: l.fused(&[p("ffn_gate.weight"), p("ffn_up.weight")], &[])?,
-                down: QMatMul::from_qtensor(l.qtensor(&p("ffn_down.weight"))?)?,
+                down: {
+                    let t = l.qtensor(&p("ffn_down.weight"))?;
+                    l.linear(t)?
+                },
             });
             bar.inc(1);
         }
@@ -260,7 +314,7 @@ impl LlamaModel {
             context_length: cfg.context_length,
             kv_bytes_per_token: cfg.n_layer * 2 * cfg.heads.n_kv_head * cfg.heads.head_dim * 4,
         };
-        Ok(LlamaModel { spec, cfg, device, embed, layers, norm, lm_head, rope, kv: Vec::new(), block_size: 0 })
+        Ok(LlamaModel { spec, cfg, device, embed, layers, norm, lm_head, rope, kv: Vec::new() })
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -285,7 +339,6 @@ impl Backend for LlamaModel {
     }
 
     fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
-        self.block_size = block_size;
         self.kv = (0..self.cfg.n_layer).map(|_| LayerKv::new(num_blocks, block_size, self.cfg.heads)).collect();
         Ok(())
     }
@@ -308,7 +361,7 @@ impl Backend for LlamaModel {
             let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
             let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
             debug_assert_eq!((q.len(), k.len()), (n_tok * q_w, n_tok * kv_w));
-            let attn = paged_attention(rows, &mut q, &mut k, &v, kv, self.block_size, heads, &self.rope);
+            let attn = paged_attention(rows, &mut q, &mut k, &v, kv, heads, &self.rope);
             let attn = Tensor::from_vec(attn, (n_tok, q_w), &self.device)?;
             x = (x + layer.wo.forward(&attn)?)?;
 

@@ -88,7 +88,9 @@ impl Backend for SimModel {
             assert!(!rows.iter().any(|r| r.tokens.contains(&p)), "simulated model failure (poison token {p})");
         }
         let c = &self.cfg;
-        std::thread::sleep(Duration::from_micros(c.base_us + c.per_token_us * tokens as u64 + c.per_sequence_us * rows.len() as u64));
+        std::thread::sleep(Duration::from_micros(
+            c.base_us + c.per_token_us * tokens as u64 + c.per_sequence_us * rows.len() as u64,
+        ));
         Ok(rows
             .iter()
             .filter(|r| r.want_logits)

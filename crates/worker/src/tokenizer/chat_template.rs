@@ -39,8 +39,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source.to_owned())
-            .map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        env.add_template_owned(NAME, source.to_owned()).map_err(|e| anyhow::anyhow!("{e:#}"))?;
         Ok(Self {
             env,
             source: source.to_owned(),
@@ -54,10 +53,7 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let template = self
-            .env
-            .get_template(NAME)
-            .context("chat template missing")?;
+        let template = self.env.get_template(NAME).context("chat template missing")?;
         // An absent special token is undefined in the template, as in HF (not the string "None").
         let token = |t: &Option<String>| t.as_deref().map_or(Value::UNDEFINED, Value::from);
         template
@@ -84,8 +80,8 @@ fn tojson(value: &Value, indent: Option<usize>, kwargs: Kwargs) -> Result<Value,
         Some(i) => Some(i),
         None => indent,
     };
-    let json = serde_json::to_value(value)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json =
+        serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = Vec::new();
     let written = match indent {
         Some(n) => {
@@ -110,18 +106,10 @@ fn tojson(value: &Value, indent: Option<usize>, kwargs: Kwargs) -> Result<Value,
 struct PythonCompact;
 
 impl serde_json::ser::Formatter for PythonCompact {
-    fn begin_array_value<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
         if first { Ok(()) } else { w.write_all(b", ") }
     }
-    fn begin_object_key<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
         if first { Ok(()) } else { w.write_all(b", ") }
     }
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
@@ -137,10 +125,7 @@ mod tests {
     const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 
     fn smollm2() -> ChatTemplate {
@@ -160,11 +145,7 @@ mod tests {
 
     #[test]
     fn smollm2_chatml_with_system_message_and_no_generation_prompt() {
-        let msgs = [
-            msg("system", "Be brief."),
-            msg("user", "2+2?"),
-            msg("assistant", "4"),
-        ];
+        let msgs = [msg("system", "Be brief."), msg("user", "2+2?"), msg("assistant", "4")];
         let out = smollm2().render(&msgs, false).unwrap();
         assert_eq!(
             out,
@@ -179,11 +160,7 @@ mod tests {
         // trim_blocks + lstrip_blocks: the indented `{% ... %}` lines vanish entirely.
         let src = "{% for m in messages %}\n    {% if m.role == 'user' %}\nU: {{ m.content }}\n    {% endif %}\n{% endfor %}\n";
         let t = ChatTemplate::new(src, None, None).unwrap();
-        assert_eq!(
-            t.render(&[msg("user", "a"), msg("user", "b")], false)
-                .unwrap(),
-            "U: a\nU: b\n"
-        );
+        assert_eq!(t.render(&[msg("user", "a"), msg("user", "b")], false).unwrap(), "U: a\nU: b\n");
     }
 
     #[test]
@@ -191,10 +168,7 @@ mod tests {
         let src = "{% for m in messages %}{{ m.content.strip() }}|{{ m.role.startswith('us') }}|{{ m.content.split(',')[1] }}{% endfor %}";
         let t = ChatTemplate::new(src, None, None).unwrap();
         // Booleans print as Python's `True`, as in Jinja2.
-        assert_eq!(
-            t.render(&[msg("user", "  x,y  ")], false).unwrap(),
-            "x,y|True|y  "
-        );
+        assert_eq!(t.render(&[msg("user", "  x,y  ")], false).unwrap(), "x,y|True|y  ");
     }
 
     #[test]
@@ -202,35 +176,22 @@ mod tests {
         let src = "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with user') }}{% endif %}ok";
         let t = ChatTemplate::new(src, None, None).unwrap();
         assert_eq!(t.render(&[msg("user", "x")], false).unwrap(), "ok");
-        let err = t
-            .render(&[msg("assistant", "x")], false)
-            .unwrap_err()
-            .to_string();
+        let err = t.render(&[msg("assistant", "x")], false).unwrap_err().to_string();
         assert!(err.contains("Conversation must start with user"), "{err}");
     }
 
     #[test]
     fn bos_and_eos_tokens_are_template_variables() {
-        let t = ChatTemplate::new("{{ bos_token }}x{{ eos_token }}", Some("<s>"), Some("</s>"))
-            .unwrap();
+        let t = ChatTemplate::new("{{ bos_token }}x{{ eos_token }}", Some("<s>"), Some("</s>")).unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "<s>x</s>");
-        let t =
-            ChatTemplate::new("{% if bos_token is defined %}B{% endif %}x", None, None).unwrap();
+        let t = ChatTemplate::new("{% if bos_token is defined %}B{% endif %}x", None, None).unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "x");
     }
 
     #[test]
     fn tojson_prints_like_python_json_dumps_without_html_escaping() {
-        let t = ChatTemplate::new(
-            "{{ [messages[0].content, 1, {'k': none}] | tojson }}",
-            None,
-            None,
-        )
-        .unwrap();
-        assert_eq!(
-            t.render(&[msg("user", "a<b & 'c' é\n")], false).unwrap(),
-            r#"["a<b & 'c' é\n", 1, {"k": null}]"#
-        );
+        let t = ChatTemplate::new("{{ [messages[0].content, 1, {'k': none}] | tojson }}", None, None).unwrap();
+        assert_eq!(t.render(&[msg("user", "a<b & 'c' é\n")], false).unwrap(), r#"["a<b & 'c' é\n", 1, {"k": null}]"#);
         let t = ChatTemplate::new("{{ [1, 2] | tojson(indent=2) }}", None, None).unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "[\n  1,\n  2\n]");
     }

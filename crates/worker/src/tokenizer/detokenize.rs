@@ -77,13 +77,7 @@ impl Detokenizer {
 mod tests {
     use super::*;
 
-    const SAMPLES: &[&str] = &[
-        "你好，世界",
-        "I ❤️ 🦀 and 👩‍👩‍👧",
-        "naïve café",
-        "plain ascii",
-        "mixed 日本語 text 🎉!",
-    ];
+    const SAMPLES: &[&str] = &["你好，世界", "I ❤️ 🦀 and 👩‍👩‍👧", "naïve café", "plain ascii", "mixed 日本語 text 🎉!"];
 
     /// Feeds `chunks` and checks that each emission is whole characters and that the concatenation
     /// is the lossy decoding of all bytes (so no byte is lost or repeated).

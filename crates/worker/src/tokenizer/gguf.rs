@@ -25,7 +25,8 @@ use super::TokenKind;
 
 /// Qwen2's pre-tokenizer split (from its `tokenizer.json`): single digits, letters with at most
 /// one leading non-letter, punctuation runs with trailing newlines.
-pub(super) const QWEN2_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub(super) const QWEN2_SPLIT_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3's split: as Qwen2's but digits in groups of up to three.
 pub(super) const LLAMA3_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -72,10 +73,7 @@ pub(super) fn get_str<'a>(content: &'a Content, key: &str) -> Result<Option<&'a 
     match get(content, key) {
         None => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(v) => bail!(
-            "GGUF key `{key}` should be a string, found {:?}",
-            v.value_type()
-        ),
+        Some(v) => bail!("GGUF key `{key}` should be a string, found {:?}", v.value_type()),
     }
 }
 
@@ -83,10 +81,7 @@ pub(super) fn get_bool(content: &Content, key: &str) -> Result<Option<bool>> {
     match get(content, key) {
         None => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(v) => bail!(
-            "GGUF key `{key}` should be a bool, found {:?}",
-            v.value_type()
-        ),
+        Some(v) => bail!("GGUF key `{key}` should be a bool, found {:?}", v.value_type()),
     }
 }
 
@@ -97,13 +92,8 @@ pub(super) fn get_token_id(content: &Content, key: &str) -> Result<Option<u32>> 
     };
     match as_i64(v) {
         Some(x) if x < 0 => Ok(None),
-        Some(x) => Ok(Some(u32::try_from(x).with_context(|| {
-            format!("GGUF key `{key}` = {x} is not a token id")
-        })?)),
-        None => bail!(
-            "GGUF key `{key}` should be an integer, found {:?}",
-            v.value_type()
-        ),
+        Some(x) => Ok(Some(u32::try_from(x).with_context(|| format!("GGUF key `{key}` = {x} is not a token id"))?)),
+        None => bail!("GGUF key `{key}` should be an integer, found {:?}", v.value_type()),
     }
 }
 
@@ -112,20 +102,14 @@ fn get_str_array<'a>(content: &'a Content, key: &str) -> Result<Option<Vec<&'a s
         return Ok(None);
     };
     let Value::Array(items) = v else {
-        bail!(
-            "GGUF key `{key}` should be an array, found {:?}",
-            v.value_type()
-        );
+        bail!("GGUF key `{key}` should be an array, found {:?}", v.value_type());
     };
     items
         .iter()
         .enumerate()
         .map(|(i, item)| match item {
             Value::String(s) => Ok(s.as_str()),
-            other => bail!(
-                "GGUF key `{key}`[{i}] should be a string, found {:?}",
-                other.value_type()
-            ),
+            other => bail!("GGUF key `{key}`[{i}] should be a string, found {:?}", other.value_type()),
         })
         .collect::<Result<Vec<_>>>()
         .map(Some)
@@ -144,16 +128,10 @@ fn token_kinds(content: &Content, n_tokens: usize) -> Result<Vec<TokenKind>> {
         return Ok(vec![TokenKind::Text; n_tokens]);
     };
     let Value::Array(items) = v else {
-        bail!(
-            "GGUF key `{key}` should be an array, found {:?}",
-            v.value_type()
-        );
+        bail!("GGUF key `{key}` should be an array, found {:?}", v.value_type());
     };
     if items.len() != n_tokens {
-        bail!(
-            "GGUF `{key}` has {} entries but there are {n_tokens} tokens",
-            items.len()
-        );
+        bail!("GGUF `{key}` has {} entries but there are {n_tokens} tokens", items.len());
     }
     items
         .iter()
@@ -175,42 +153,26 @@ fn token_kinds(content: &Content, n_tokens: usize) -> Result<Vec<TokenKind>> {
 fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool, bool)> {
     // Returns (pre-tokenizer, NFC-normalize, ignore_merges).
     let split = |regex: &str| -> Result<PreTokenizerWrapper> {
-        Ok(Split::new(
-            SplitPattern::Regex(regex.to_owned()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| anyhow::anyhow!("bad pre-tokenizer regex: {e}"))?
-        .into())
+        Ok(Split::new(SplitPattern::Regex(regex.to_owned()), SplitDelimiterBehavior::Isolated, false)
+            .map_err(|e| anyhow::anyhow!("bad pre-tokenizer regex: {e}"))?
+            .into())
     };
     Ok(match pre {
         // SmolLM2's tokenizer.json: digits one by one, then GPT-2's regex, no prefix space.
         "smollm" => (
-            Sequence::new(vec![
-                Digits::new(true).into(),
-                ByteLevel::new(false, true, true).into(),
-            ])
-            .into(),
+            Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into(),
             false,
             false,
         ),
         "qwen2" => (
-            Sequence::new(vec![
-                split(QWEN2_SPLIT_REGEX)?,
-                ByteLevel::new(false, false, false).into(),
-            ])
-            .into(),
+            Sequence::new(vec![split(QWEN2_SPLIT_REGEX)?, ByteLevel::new(false, false, false).into()]).into(),
             true,
             false,
         ),
         // Llama 3's tokenizer.json sets ignore_merges (a whole-word vocab hit wins over merges),
         // and so does llama.cpp for this pre.
         "llama-bpe" | "llama3" => (
-            Sequence::new(vec![
-                split(LLAMA3_SPLIT_REGEX)?,
-                ByteLevel::new(false, true, false).into(),
-            ])
-            .into(),
+            Sequence::new(vec![split(LLAMA3_SPLIT_REGEX)?, ByteLevel::new(false, true, false).into()]).into(),
             false,
             true,
         ),
@@ -239,27 +201,19 @@ pub(super) fn set_bos_eos_post_processor(
     let mut pair = Vec::new();
     let mut specials = Vec::new();
     if let Some((id, text)) = bos {
-        specials.push(
-            SpecialToken::new("BOS".into(), vec![id], vec![text]).map_err(anyhow::Error::msg)?,
-        );
+        specials.push(SpecialToken::new("BOS".into(), vec![id], vec![text]).map_err(anyhow::Error::msg)?);
         single.push("BOS");
     }
     single.push("$A");
     if let Some((id, text)) = eos {
-        specials.push(
-            SpecialToken::new("EOS".into(), vec![id], vec![text]).map_err(anyhow::Error::msg)?,
-        );
+        specials.push(SpecialToken::new("EOS".into(), vec![id], vec![text]).map_err(anyhow::Error::msg)?);
         single.push("EOS");
     }
     for piece in &single {
         pair.push(piece.to_string());
     }
     for piece in &single {
-        pair.push(if *piece == "$A" {
-            "$B:1".to_string()
-        } else {
-            format!("{piece}:1")
-        });
+        pair.push(if *piece == "$A" { "$B:1".to_string() } else { format!("{piece}:1") });
     }
     let processor = TemplateProcessing::builder()
         .try_single(single.join(" "))
@@ -312,11 +266,7 @@ pub(super) fn build(content: &Content) -> Result<GgufTokenizer> {
                 .with_context(|| format!("tokenizer.ggml.merges[{i}] = {m:?} is not `a b`"))
         })
         .collect::<Result<Vec<_>>>()?;
-    let vocab: Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.to_string(), i as u32))
-        .collect();
+    let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
 
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
@@ -325,9 +275,7 @@ pub(super) fn build(content: &Content) -> Result<GgufTokenizer> {
         .map_err(|e| anyhow::anyhow!("building BPE from GGUF vocabulary: {e}"))?;
     let mut tokenizer = Tokenizer::new(bpe);
     if nfc {
-        tokenizer
-            .with_normalizer(Some(NFC))
-            .map_err(|e| anyhow::anyhow!("setting the NFC normalizer: {e}"))?;
+        tokenizer.with_normalizer(Some(NFC)).map_err(|e| anyhow::anyhow!("setting the NFC normalizer: {e}"))?;
     }
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
     tokenizer.with_decoder(Some(ByteLevelDecoder::new(false, true, true)));
@@ -342,24 +290,14 @@ pub(super) fn build(content: &Content) -> Result<GgufTokenizer> {
         }
         match kind {
             TokenKind::Special => specials.push(AddedToken::from(text.to_string(), true)),
-            TokenKind::UserDefined => {
-                user_defined.push(AddedToken::from(text.to_string(), false).normalized(false))
-            }
+            TokenKind::UserDefined => user_defined.push(AddedToken::from(text.to_string(), false).normalized(false)),
             TokenKind::Text | TokenKind::Hidden => {}
         }
     }
-    tokenizer
-        .add_special_tokens(specials)
-        .map_err(|e| anyhow::anyhow!("adding control tokens: {e}"))?;
-    tokenizer
-        .add_tokens(user_defined)
-        .map_err(|e| anyhow::anyhow!("adding user-defined tokens: {e}"))?;
+    tokenizer.add_special_tokens(specials).map_err(|e| anyhow::anyhow!("adding control tokens: {e}"))?;
+    tokenizer.add_tokens(user_defined).map_err(|e| anyhow::anyhow!("adding user-defined tokens: {e}"))?;
 
-    Ok(GgufTokenizer {
-        tokenizer,
-        tokens: tokens.into_iter().map(str::to_owned).collect(),
-        kinds,
-    })
+    Ok(GgufTokenizer { tokenizer, tokens: tokens.into_iter().map(str::to_owned).collect(), kinds })
 }
 
 #[cfg(test)]
@@ -372,11 +310,7 @@ pub(super) mod tests {
     /// A synthetic GGUF: 3 control tokens, one user-defined token, the 256 byte-level symbols and
     /// a few merges, with the given `pre`.
     pub(in crate::tokenizer) fn tiny_gguf(pre: &str, add_bos: bool) -> Content {
-        let mut tokens: Vec<String> = vec![
-            "<|endoftext|>".into(),
-            "<|im_start|>".into(),
-            "<|im_end|>".into(),
-        ];
+        let mut tokens: Vec<String> = vec!["<|endoftext|>".into(), "<|im_start|>".into(), "<|im_end|>".into()];
         let mut types: Vec<Value> = vec![Value::I32(3); 3];
         tokens.push("<tool>".into());
         types.push(Value::I32(4));
@@ -384,9 +318,7 @@ pub(super) mod tests {
             tokens.push(c.to_string());
             types.push(Value::I32(1));
         }
-        let merges = [
-            "h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld",
-        ];
+        let merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"];
         for m in merges {
             let (a, b) = m.split_once(' ').unwrap();
             tokens.push(format!("{a}{b}"));
@@ -396,15 +328,9 @@ pub(super) mod tests {
         let s = |x: &str| Value::String(x.into());
         md.insert("tokenizer.ggml.model".into(), s("gpt2"));
         md.insert("tokenizer.ggml.pre".into(), s(pre));
-        md.insert(
-            "tokenizer.ggml.tokens".into(),
-            Value::Array(tokens.iter().map(|t| s(t)).collect()),
-        );
+        md.insert("tokenizer.ggml.tokens".into(), Value::Array(tokens.iter().map(|t| s(t)).collect()));
         md.insert("tokenizer.ggml.token_type".into(), Value::Array(types));
-        md.insert(
-            "tokenizer.ggml.merges".into(),
-            Value::Array(merges.iter().map(|m| s(m)).collect()),
-        );
+        md.insert("tokenizer.ggml.merges".into(), Value::Array(merges.iter().map(|m| s(m)).collect()));
         md.insert("tokenizer.ggml.bos_token_id".into(), Value::U32(1));
         md.insert("tokenizer.ggml.eos_token_id".into(), Value::U32(2));
         md.insert("tokenizer.ggml.add_bos_token".into(), Value::Bool(add_bos));
@@ -413,12 +339,7 @@ pub(super) mod tests {
             s("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
                {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
         );
-        Content {
-            magic: VersionedMagic::GgufV3,
-            metadata: md,
-            tensor_infos: HashMap::new(),
-            tensor_data_offset: 0,
-        }
+        Content { magic: VersionedMagic::GgufV3, metadata: md, tensor_infos: HashMap::new(), tensor_data_offset: 0 }
     }
 
     fn splits(pre: &str, input: &str) -> Vec<String> {
@@ -441,9 +362,7 @@ pub(super) mod tests {
     fn qwen2_splits_single_digits_and_case_insensitive_contractions() {
         assert_eq!(
             splits("qwen2", "Hello'Ve world 123\n\n  foo"),
-            [
-                "Hello", "'Ve", "Ġworld", "Ġ", "1", "2", "3", "ĊĊ", "Ġ", "Ġfoo"
-            ]
+            ["Hello", "'Ve", "Ġworld", "Ġ", "1", "2", "3", "ĊĊ", "Ġ", "Ġfoo"]
         );
     }
 
@@ -455,25 +374,15 @@ pub(super) mod tests {
     #[test]
     fn unsupported_tokenizer_model_is_a_clear_error() {
         let mut c = tiny_gguf("smollm", false);
-        c.metadata
-            .insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
+        c.metadata.insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
         let err = build(&c).err().unwrap().to_string();
-        assert!(
-            err.contains("only `gpt2`") && err.contains("`llama`"),
-            "{err}"
-        );
+        assert!(err.contains("only `gpt2`") && err.contains("`llama`"), "{err}");
     }
 
     #[test]
     fn unknown_pre_tokenizer_is_a_clear_error_not_an_approximation() {
-        let err = build(&tiny_gguf("deepseek-coder", false))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            err.contains("`deepseek-coder`") && err.contains("smollm"),
-            "{err}"
-        );
+        let err = build(&tiny_gguf("deepseek-coder", false)).err().unwrap().to_string();
+        assert!(err.contains("`deepseek-coder`") && err.contains("smollm"), "{err}");
         let mut c = tiny_gguf("smollm", false);
         c.metadata.remove("tokenizer.ggml.pre");
         assert!(build(&c).is_err());
@@ -482,15 +391,8 @@ pub(super) mod tests {
     #[test]
     fn negative_token_id_means_absent() {
         let mut c = tiny_gguf("smollm", false);
-        c.metadata
-            .insert("tokenizer.ggml.eot_token_id".into(), Value::I32(-1));
-        assert_eq!(
-            get_token_id(&c, "tokenizer.ggml.eot_token_id").unwrap(),
-            None
-        );
-        assert_eq!(
-            get_token_id(&c, "tokenizer.ggml.bos_token_id").unwrap(),
-            Some(1)
-        );
+        c.metadata.insert("tokenizer.ggml.eot_token_id".into(), Value::I32(-1));
+        assert_eq!(get_token_id(&c, "tokenizer.ggml.eot_token_id").unwrap(), None);
+        assert_eq!(get_token_id(&c, "tokenizer.ggml.bos_token_id").unwrap(), Some(1));
     }
 }

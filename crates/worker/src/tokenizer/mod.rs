@@ -69,20 +69,8 @@ const EOG_TEXTS: &[&str] = &[
 /// Fill-in-the-middle pad / repo / file-separator tokens also end generation in llama.cpp: by
 /// their GGUF key, or else by text (SmolLM2's `<reponame>` is one).
 const FIM_STOPS: &[(&str, &[&str])] = &[
-    (
-        "tokenizer.ggml.fim_pad_token_id",
-        &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
-    ),
-    (
-        "tokenizer.ggml.fim_rep_token_id",
-        &[
-            "<|fim_repo|>",
-            "<|repo_name|>",
-            "<fim-repo>",
-            "<REPO>",
-            "<reponame>",
-        ],
-    ),
+    ("tokenizer.ggml.fim_pad_token_id", &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"]),
+    ("tokenizer.ggml.fim_rep_token_id", &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"]),
     ("tokenizer.ggml.fim_sep_token_id", &["<|file_sep|>"]),
 ];
 
@@ -130,9 +118,7 @@ impl ModelTokenizer {
             })
             .collect();
         let tokens = built.tokens;
-        Self::assemble(built.tokenizer, table, content, |id| {
-            tokens.get(id as usize).cloned()
-        })
+        Self::assemble(built.tokenizer, table, content, |id| tokens.get(id as usize).cloned())
     }
 
     /// A tokenizer.json file overrides the GGUF's vocabulary/merges/pre-tokenizer; bos/eos/template
@@ -146,15 +132,10 @@ impl ModelTokenizer {
         let mut inner = Tokenizer::from_file(path)
             .map_err(|e| anyhow::anyhow!("reading tokenizer file {}: {e}", path.display()))?;
         if !has_byte_level_decoder(inner.get_decoder()) {
-            bail!(
-                "{}: only byte-level BPE tokenizers (decoder ByteLevel) are supported",
-                path.display()
-            );
+            bail!("{}: only byte-level BPE tokenizers (decoder ByteLevel) are supported", path.display());
         }
         // Serving never truncates or pads behind the scheduler's back.
-        inner
-            .with_truncation(None)
-            .map_err(|e| anyhow::anyhow!("disabling truncation: {e}"))?;
+        inner.with_truncation(None).map_err(|e| anyhow::anyhow!("disabling truncation: {e}"))?;
         inner.with_padding(None);
 
         let added = inner.get_added_tokens_decoder();
@@ -187,9 +168,7 @@ impl ModelTokenizer {
                 }
             }
         }
-        Self::assemble(inner, table, content, |id| {
-            texts.get(id as usize).cloned().flatten()
-        })
+        Self::assemble(inner, table, content, |id| texts.get(id as usize).cloned().flatten())
     }
 
     /// Shared tail of both constructors: special ids, BOS post-processor, chat template.
@@ -218,13 +197,7 @@ impl ModelTokenizer {
         }
         let text_of: Vec<Option<String>> = (0..n as u32).map(&token_text).collect();
         let ids_with_text = |texts: &[&str]| -> Vec<u32> {
-            (0..n as u32)
-                .filter(|&i| {
-                    text_of[i as usize]
-                        .as_deref()
-                        .is_some_and(|t| texts.contains(&t))
-                })
-                .collect()
+            (0..n as u32).filter(|&i| text_of[i as usize].as_deref().is_some_and(|t| texts.contains(&t))).collect()
         };
         for (key, texts) in FIM_STOPS {
             match id(key)? {
@@ -241,12 +214,8 @@ impl ModelTokenizer {
         let add_bos = gguf::get_bool(content, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
         let add_eos = gguf::get_bool(content, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
         let with_text = |id: Option<u32>| -> Result<Option<(u32, String)>> {
-            id.map(|id| {
-                token_text(id)
-                    .map(|t| (id, t))
-                    .with_context(|| format!("token id {id} has no text"))
-            })
-            .transpose()
+            id.map(|id| token_text(id).map(|t| (id, t)).with_context(|| format!("token id {id} has no text")))
+                .transpose()
         };
         let bos_pp = if add_bos {
             Some(with_text(bos)?.context("GGUF sets add_bos_token but has no bos_token_id")?)
@@ -262,12 +231,8 @@ impl ModelTokenizer {
 
         let template = match gguf::get_str(content, "tokenizer.chat_template")? {
             Some(source) => Some(
-                ChatTemplate::new(
-                    source,
-                    bos.and_then(&token_text).as_deref(),
-                    eos.and_then(&token_text).as_deref(),
-                )
-                .context("compiling the GGUF's tokenizer.chat_template")?,
+                ChatTemplate::new(source, bos.and_then(&token_text).as_deref(), eos.and_then(&token_text).as_deref())
+                    .context("compiling the GGUF's tokenizer.chat_template")?,
             ),
             None => None,
         };
@@ -279,23 +244,14 @@ impl ModelTokenizer {
             bytes.extend_from_slice(t);
             offsets.push(u32::try_from(bytes.len()).context("token table over 4 GiB")?);
         }
-        Ok(Self {
-            inner,
-            bytes,
-            offsets,
-            bos,
-            eos_ids,
-            template,
-        })
+        Ok(Self { inner, bytes, offsets, bos, eos_ids, template })
     }
 
     /// Control tokens in the text (e.g. "<|im_start|>") become their ids; `add_special_tokens`
     /// adds BOS only when the GGUF says tokenizer.ggml.add_bos_token=true.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode_fast(text, add_special_tokens)
-            .map_err(|e| anyhow::anyhow!("tokenizing failed: {e}"))?;
+        let encoding =
+            self.inner.encode_fast(text, add_special_tokens).map_err(|e| anyhow::anyhow!("tokenizing failed: {e}"))?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -342,9 +298,7 @@ impl ModelTokenizer {
     /// Full tokenizer.json (for a router that has no model files). Its post-processor adds BOS
     /// exactly when [`ModelTokenizer::encode`] does.
     pub fn tokenizer_json(&self) -> Result<String> {
-        self.inner
-            .to_string(false)
-            .map_err(|e| anyhow::anyhow!("serializing tokenizer.json: {e}"))
+        self.inner.to_string(false).map_err(|e| anyhow::anyhow!("serializing tokenizer.json: {e}"))
     }
 
     pub fn chat_template(&self) -> Option<&str> {
@@ -353,11 +307,7 @@ impl ModelTokenizer {
 
     /// Renders the conversation with the model's chat template, as Hugging Face's
     /// `apply_chat_template(messages, add_generation_prompt=..., tokenize=False)` would.
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String> {
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         self.template
             .as_ref()
             .context("the model has no chat template (no tokenizer.chat_template in its GGUF)")?
@@ -386,13 +336,8 @@ fn byte_level_alphabet() -> [char; 256] {
 /// alphabet is taken as raw text, as the `tokenizers` ByteLevel decoder does.
 fn byte_level_decode(token: &str) -> Vec<u8> {
     static INVERSE: std::sync::OnceLock<HashMap<char, u8>> = std::sync::OnceLock::new();
-    let inverse = INVERSE.get_or_init(|| {
-        byte_level_alphabet()
-            .iter()
-            .enumerate()
-            .map(|(b, &c)| (c, b as u8))
-            .collect()
-    });
+    let inverse =
+        INVERSE.get_or_init(|| byte_level_alphabet().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect());
     token
         .chars()
         .map(|c| inverse.get(&c).copied())
@@ -403,10 +348,7 @@ fn byte_level_decode(token: &str) -> Vec<u8> {
 fn has_byte_level_decoder(decoder: Option<&DecoderWrapper>) -> bool {
     match decoder {
         Some(DecoderWrapper::ByteLevel(_)) => true,
-        Some(DecoderWrapper::Sequence(seq)) => seq
-            .get_decoders()
-            .iter()
-            .any(|d| has_byte_level_decoder(Some(d))),
+        Some(DecoderWrapper::Sequence(seq)) => seq.get_decoders().iter().any(|d| has_byte_level_decoder(Some(d))),
         _ => false,
     }
 }
@@ -453,9 +395,7 @@ mod tests {
     #[test]
     fn control_tokens_in_text_encode_to_their_ids_and_decode_to_nothing() {
         let t = ModelTokenizer::from_gguf(&tiny_gguf("smollm", false)).unwrap();
-        let ids = t
-            .encode("<|im_start|>hello world<|im_end|>", false)
-            .unwrap();
+        let ids = t.encode("<|im_start|>hello world<|im_end|>", false).unwrap();
         let hello = t.encode("hello", false).unwrap();
         let world = t.encode(" world", false).unwrap();
         assert_eq!(hello.len(), 1, "merges should make `hello` one token");
@@ -475,10 +415,7 @@ mod tests {
     #[test]
     fn bos_is_added_only_when_the_gguf_asks_for_it() {
         let without = ModelTokenizer::from_gguf(&tiny_gguf("smollm", false)).unwrap();
-        assert_eq!(
-            without.encode("hello", true).unwrap(),
-            without.encode("hello", false).unwrap()
-        );
+        assert_eq!(without.encode("hello", true).unwrap(), without.encode("hello", false).unwrap());
         let with = ModelTokenizer::from_gguf(&tiny_gguf("smollm", true)).unwrap();
         let plain = with.encode("hello", false).unwrap();
         let mut expected = vec![1];
@@ -490,10 +427,7 @@ mod tests {
     #[test]
     fn eos_ids_include_end_of_turn_tokens_without_duplicates() {
         let mut c = tiny_gguf("smollm", false);
-        c.metadata.insert(
-            "tokenizer.ggml.eot_token_id".into(),
-            candle_core::quantized::gguf_file::Value::U32(2),
-        );
+        c.metadata.insert("tokenizer.ggml.eot_token_id".into(), candle_core::quantized::gguf_file::Value::U32(2));
         let t = ModelTokenizer::from_gguf(&c).unwrap();
         // eos (2, <|im_end|>) first; <|endoftext|> (0) by its text, as llama.cpp does.
         assert_eq!(t.eos_ids(), [2, 0]);
@@ -503,13 +437,9 @@ mod tests {
     fn control_looking_normal_tokens_become_control_and_stop_generation_like_llama_cpp() {
         use candle_core::quantized::gguf_file::Value;
         let mut c = tiny_gguf("smollm", false);
-        let Some(Value::Array(tokens)) = c.metadata.get_mut("tokenizer.ggml.tokens") else {
-            unreachable!()
-        };
+        let Some(Value::Array(tokens)) = c.metadata.get_mut("tokenizer.ggml.tokens") else { unreachable!() };
         tokens[3] = Value::String("<|file_sep|>".into());
-        let Some(Value::Array(types)) = c.metadata.get_mut("tokenizer.ggml.token_type") else {
-            unreachable!()
-        };
+        let Some(Value::Array(types)) = c.metadata.get_mut("tokenizer.ggml.token_type") else { unreachable!() };
         types[3] = Value::I32(1); // mistyped as normal in the GGUF
         let t = ModelTokenizer::from_gguf(&c).unwrap();
         assert_eq!(t.token_bytes(3), b"");
@@ -520,10 +450,8 @@ mod tests {
     #[test]
     fn out_of_range_special_id_is_an_error() {
         let mut c = tiny_gguf("smollm", false);
-        c.metadata.insert(
-            "tokenizer.ggml.bos_token_id".into(),
-            candle_core::quantized::gguf_file::Value::U32(1_000_000),
-        );
+        c.metadata
+            .insert("tokenizer.ggml.bos_token_id".into(), candle_core::quantized::gguf_file::Value::U32(1_000_000));
         let err = ModelTokenizer::from_gguf(&c).err().unwrap().to_string();
         assert!(err.contains("outside the vocabulary"), "{err}");
     }
@@ -534,8 +462,7 @@ mod tests {
             let c = tiny_gguf("smollm", add_bos);
             let t = ModelTokenizer::from_gguf(&c).unwrap();
             let json = t.tokenizer_json().unwrap();
-            let dir =
-                std::env::temp_dir().join(format!("bellows-tok-{}-{add_bos}", std::process::id()));
+            let dir = std::env::temp_dir().join(format!("bellows-tok-{}-{add_bos}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
             let path = dir.join("tokenizer.json");
             std::fs::write(&path, &json).unwrap();
@@ -543,18 +470,11 @@ mod tests {
             // A router loading the JSON with plain `tokenizers` gets the same ids, BOS included.
             let plain: Tokenizer = json.parse().map_err(|e| anyhow::anyhow!("{e}")).unwrap();
             std::fs::remove_dir_all(&dir).unwrap();
-            for text in [
-                "hello world 12",
-                "<|im_start|>user\nhi<|im_end|>",
-                "a<tool>b ✓",
-            ] {
+            for text in ["hello world 12", "<|im_start|>user\nhi<|im_end|>", "a<tool>b ✓"] {
                 for special in [false, true] {
                     let ids = t.encode(text, special).unwrap();
                     assert_eq!(from_file.encode(text, special).unwrap(), ids);
-                    assert_eq!(
-                        plain.encode(text, special).unwrap().get_ids(),
-                        ids.as_slice()
-                    );
+                    assert_eq!(plain.encode(text, special).unwrap().get_ids(), ids.as_slice());
                 }
             }
             assert_eq!(from_file.vocab_size(), t.vocab_size());
@@ -568,10 +488,7 @@ mod tests {
     #[test]
     fn tokenizer_json_from_another_model_is_rejected() {
         let c = tiny_gguf("smollm", false);
-        let json = ModelTokenizer::from_gguf(&c)
-            .unwrap()
-            .tokenizer_json()
-            .unwrap();
+        let json = ModelTokenizer::from_gguf(&c).unwrap().tokenizer_json().unwrap();
         let mut other = tiny_gguf("smollm", false);
         let candle_core::quantized::gguf_file::Value::Array(tokens) =
             other.metadata.get_mut("tokenizer.ggml.tokens").unwrap()
@@ -579,13 +496,9 @@ mod tests {
             unreachable!()
         };
         tokens[2] = candle_core::quantized::gguf_file::Value::String("</s>".into());
-        let path =
-            std::env::temp_dir().join(format!("bellows-tok-mismatch-{}.json", std::process::id()));
+        let path = std::env::temp_dir().join(format!("bellows-tok-mismatch-{}.json", std::process::id()));
         std::fs::write(&path, json).unwrap();
-        let err = ModelTokenizer::from_tokenizer_json(&path, &other)
-            .err()
-            .unwrap()
-            .to_string();
+        let err = ModelTokenizer::from_tokenizer_json(&path, &other).err().unwrap().to_string();
         std::fs::remove_file(&path).unwrap();
         assert!(err.contains("does not match the GGUF vocabulary"), "{err}");
     }
@@ -605,10 +518,7 @@ mod tests {
     #[test]
     fn chat_template_uses_gguf_bos_and_eos_texts() {
         let t = ModelTokenizer::from_gguf(&tiny_gguf("smollm", false)).unwrap();
-        let msgs = [ChatMessage {
-            role: "user".into(),
-            content: "Hi".into(),
-        }];
+        let msgs = [ChatMessage { role: "user".into(), content: "Hi".into() }];
         assert_eq!(
             t.apply_chat_template(&msgs, true).unwrap(),
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

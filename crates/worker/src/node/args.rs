@@ -1,0 +1,166 @@
+//! `bellows-worker serve` flags. Every flag also reads a `BELLOWS_*` environment variable, so a
+//! container or a Helm chart configures a node without a command line.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::{Args, ValueEnum};
+
+use crate::{engine::EngineConfig, model::sim::SimConfig};
+
+/// Which engine serves requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EngineKind {
+    /// A real model from a GGUF file.
+    Gguf,
+    /// A simulated model: real scheduler and KV cache, no weights, a cost model for step time.
+    Sim,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Which engine runs the model: gguf (a model file) or sim (no weights; for tests and
+    /// cluster benchmarks).
+    #[arg(long, env = "BELLOWS_ENGINE", value_enum, default_value_t = EngineKind::Gguf)]
+    pub engine: EngineKind,
+    /// GGUF model file [default: $BELLOWS_MODEL or ~/.cache/bellows/models/SmolLM2-135M-Instruct.Q4_1.gguf].
+    #[arg(long, env = "BELLOWS_MODEL")]
+    pub model: Option<PathBuf>,
+    /// A tokenizer.json that overrides the GGUF's vocabulary.
+    #[arg(long, env = "BELLOWS_TOKENIZER_JSON")]
+    pub tokenizer_json: Option<PathBuf>,
+    /// Keep Q4_1/Q5_0/Q5_1 weights as they are instead of re-quantizing them to Q8_0.
+    #[arg(long, env = "BELLOWS_NO_REQUANTIZE")]
+    pub no_requantize: bool,
+    /// Settings of the simulated model (--engine sim) as JSON, e.g. '{"base_us":20000}'; fields
+    /// not named keep their defaults (vocab_size, context_length, base_us, per_token_us,
+    /// per_sequence_us, kv_bytes_per_token, poison_token).
+    #[arg(long, env = "BELLOWS_SIM_CONFIG")]
+    pub sim_config: Option<String>,
+    /// Address the gRPC server listens on (port 0: any free port, logged at start).
+    #[arg(long, env = "BELLOWS_LISTEN", default_value = "0.0.0.0:50051")]
+    pub listen: SocketAddr,
+    /// host:port routers use to reach this node [default: the listen address, with this host's
+    /// name in place of an unspecified IP such as 0.0.0.0].
+    #[arg(long, env = "BELLOWS_ADVERTISE_ADDRESS")]
+    pub advertise_address: Option<String>,
+    /// etcd endpoints, comma separated (e.g. http://etcd:2379). None: the node does not register.
+    #[arg(long, env = "BELLOWS_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// Cluster name: the node registers under /bellows/<cluster>/workers/.
+    #[arg(long, env = "BELLOWS_CLUSTER", default_value = "default")]
+    pub cluster: String,
+    /// This node's id in the cluster [default: <hostname>-<port>].
+    #[arg(long, env = "BELLOWS_NODE_ID")]
+    pub node_id: Option<String>,
+    /// TTL of the etcd lease behind the registration: a node that dies disappears after this
+    /// (etcd rounds it up to whole seconds, at least 2 s by default).
+    #[arg(long, env = "BELLOWS_LEASE_TTL", default_value = "5s", value_parser = parse_duration)]
+    pub lease_ttl: Duration,
+    /// On SIGTERM/SIGINT, how long in-flight requests may run before the node exits anyway.
+    #[arg(long, env = "BELLOWS_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
+    /// KV cache budget in MiB.
+    #[arg(long, env = "BELLOWS_KV_CACHE_MB", default_value_t = EngineConfig::default().kv_cache_mb)]
+    pub kv_cache_mb: usize,
+    /// Tokens one forward pass may carry (decode tokens plus prefill chunks).
+    #[arg(long, env = "BELLOWS_MAX_BATCH_TOKENS", default_value_t = EngineConfig::default().max_batch_tokens)]
+    pub max_batch_tokens: usize,
+    /// Sequences running at once (also the capacity the node registers).
+    #[arg(long, env = "BELLOWS_MAX_RUNNING", default_value_t = EngineConfig::default().max_running)]
+    pub max_running: usize,
+    /// Requests that may wait for admission; more are refused at once (RESOURCE_EXHAUSTED).
+    #[arg(long, env = "BELLOWS_MAX_WAITING", default_value_t = EngineConfig::default().max_waiting)]
+    pub max_waiting: usize,
+    /// Hold steps that mix prefill with decoding to this multiple of a decode-only step (e.g.
+    /// 1.5), adapting the prefill tokens per step: steadier streams, slower long prompts. Off by
+    /// default.
+    #[arg(long, env = "BELLOWS_ITL_SLOWDOWN")]
+    pub itl_slowdown: Option<f64>,
+    /// Log each request's prompt (decoded) with its summary line. Off: prompt text is never
+    /// logged.
+    #[arg(long, env = "BELLOWS_LOG_PROMPTS")]
+    pub log_prompts: bool,
+}
+
+impl ServeArgs {
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            kv_cache_mb: self.kv_cache_mb,
+            max_batch_tokens: self.max_batch_tokens,
+            max_running: self.max_running,
+            max_waiting: self.max_waiting,
+            itl_slowdown: self.itl_slowdown,
+            ..EngineConfig::default()
+        }
+    }
+
+    /// The simulated model's settings: defaults, overridden by the fields `--sim-config` names.
+    pub fn sim_config(&self) -> anyhow::Result<SimConfig> {
+        let mut merged = serde_json::to_value(SimConfig::default())?;
+        if let Some(text) = &self.sim_config {
+            let given: serde_json::Value =
+                serde_json::from_str(text).map_err(|e| anyhow::anyhow!("--sim-config is not JSON: {e}"))?;
+            let serde_json::Value::Object(fields) = given else {
+                anyhow::bail!("--sim-config must be a JSON object");
+            };
+            let base = merged.as_object_mut().expect("SimConfig serializes to an object");
+            for (k, v) in fields {
+                anyhow::ensure!(base.contains_key(&k), "--sim-config: unknown field {k:?}");
+                base.insert(k, v);
+            }
+        }
+        serde_json::from_value(merged).map_err(|e| anyhow::anyhow!("--sim-config: {e}"))
+    }
+
+    /// Endpoints actually given (an empty environment variable means none).
+    pub fn etcd_endpoints(&self) -> Vec<String> {
+        self.etcd_endpoints.iter().map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect()
+    }
+}
+
+/// `"250ms"`, `"5s"`, `"2m"`, or a bare number of seconds (`"1.5"`).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 500ms, 5s, 2m)"))?;
+    let secs = match unit.trim() {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        u => return Err(format!("unknown unit {u:?} in {s:?} (use ms, s, m or h)")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_take_the_usual_units_and_bare_seconds() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn a_partial_sim_config_keeps_the_other_defaults() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let cli = Cli::parse_from(["x", "--engine", "sim", "--sim-config", r#"{"base_us": 7}"#]);
+        let sim = cli.serve.sim_config().unwrap();
+        assert_eq!(sim.base_us, 7);
+        assert_eq!(sim.vocab_size, SimConfig::default().vocab_size);
+        let bad = Cli::parse_from(["x", "--sim-config", r#"{"base_ms": 7}"#]);
+        assert!(bad.serve.sim_config().is_err(), "a misspelt field must not be ignored");
+    }
+}

@@ -1,0 +1,312 @@
+//! The `bellows.worker.v1.Worker` service over the engine.
+//!
+//! A Generate call's response stream *owns* the engine's event receiver: when the client cancels
+//! (or the connection dies) tonic drops the stream, the receiver goes with it, and the scheduler
+//! frees the request's KV blocks on its next tick. No task sits between the two, so there is no
+//! second place where a cancellation could be lost. Tokens already waiting in the receiver when
+//! the stream is polled are sent as one Delta, so a slow reader gets fewer, larger messages
+//! instead of an ever longer backlog.
+
+use std::{
+    collections::VecDeque,
+    pin::Pin,
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+    task::{Context, Poll},
+    time::Instant,
+};
+
+use bellows_proto::worker::v1::{self as pb, generate_response::Kind, worker_server::Worker};
+use tokio::sync::watch;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use super::{
+    drain::{InFlight, Lifecycle},
+    load_report::{self, LoadStream},
+    status::NodeError,
+};
+use crate::{
+    engine::{EngineHandle, EventStream},
+    request::{Event, FinishReason, GenerateRequest, Usage},
+    sampling::SamplingParams,
+    tokenizer::ModelTokenizer,
+};
+
+/// What the service needs once the model is loaded.
+pub struct Ready {
+    pub engine: EngineHandle,
+    pub info: pb::ModelInfoResponse,
+    pub tokenizer: Option<Arc<ModelTokenizer>>,
+    pub load: watch::Receiver<pb::LoadReport>,
+}
+
+struct Shared {
+    node_id: String,
+    lifecycle: Arc<Lifecycle>,
+    ready: OnceLock<Ready>,
+    log_prompts: bool,
+    next_request: AtomicU64,
+}
+
+/// The gRPC service. Serves (refusing with UNAVAILABLE) before the model is loaded, so health
+/// checks and connections work from the start.
+#[derive(Clone)]
+pub struct WorkerService(Arc<Shared>);
+
+impl WorkerService {
+    pub fn new(node_id: String, lifecycle: Arc<Lifecycle>, log_prompts: bool) -> Self {
+        WorkerService(Arc::new(Shared {
+            node_id,
+            lifecycle,
+            ready: OnceLock::new(),
+            log_prompts,
+            next_request: AtomicU64::new(1),
+        }))
+    }
+
+    /// Called once, when the model is loaded (before the node advances to Serving).
+    pub fn set_ready(&self, ready: Ready) {
+        if self.0.ready.set(ready).is_err() {
+            panic!("the model is loaded once");
+        }
+    }
+
+    fn ready(&self) -> Result<&Ready, NodeError> {
+        self.0.ready.get().ok_or(NodeError::Loading)
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    type GenerateStream = GenerateStream;
+    type WatchLoadStream = LoadStream;
+
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let req = request.into_inner();
+        let in_flight = self.0.lifecycle.admit()?;
+        let ready = self.ready()?;
+        let id = if req.request_id.is_empty() {
+            format!("{}-{}", self.0.node_id, self.0.next_request.fetch_add(1, Relaxed))
+        } else {
+            req.request_id.clone()
+        };
+        let engine_req =
+            engine_request(req).inspect_err(|e| tracing::debug!(request_id = %id, error = %e, "refused"))?;
+        let prompt_text = self.0.log_prompts.then(|| match &ready.tokenizer {
+            Some(t) => t.decode(&engine_req.prompt),
+            None => format!("{:?}", engine_req.prompt),
+        });
+        let events = ready.engine.submit(engine_req).map_err(|e| {
+            tracing::debug!(request_id = %id, error = %e, "refused");
+            NodeError::Submit(e)
+        })?;
+        Ok(Response::new(GenerateStream {
+            events,
+            out: VecDeque::new(),
+            done: false,
+            log: RequestLog { id, prompt_text, started: Instant::now(), first_token: None, tokens: 0 },
+            _in_flight: in_flight,
+        }))
+    }
+
+    async fn model_info(&self, _: Request<pb::ModelInfoRequest>) -> Result<Response<pb::ModelInfoResponse>, Status> {
+        Ok(Response::new(self.ready()?.info.clone()))
+    }
+
+    async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<LoadStream>, Status> {
+        let ready = self.ready()?;
+        let stream = load_report::subscribe(&ready.engine, ready.load.clone(), self.0.lifecycle.clone()).await?;
+        Ok(Response::new(stream))
+    }
+}
+
+/// The wire request as an engine request. Absent sampling fields take the engine's defaults
+/// (which are OpenAI's); ranges are checked by the engine, so there is one validation.
+pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeError> {
+    if r.stop.iter().any(String::is_empty) {
+        return Err(NodeError::Malformed("invalid stop: stop strings must not be empty".into()));
+    }
+    let d = SamplingParams::default();
+    let s = r.sampling.unwrap_or_default();
+    let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.into_iter().collect();
+    logit_bias.sort_by_key(|&(t, _)| t);
+    let params = SamplingParams {
+        temperature: s.temperature.unwrap_or(d.temperature),
+        top_p: s.top_p.unwrap_or(d.top_p),
+        top_k: s.top_k.unwrap_or(d.top_k),
+        min_p: s.min_p.unwrap_or(d.min_p),
+        repetition_penalty: s.repetition_penalty.unwrap_or(d.repetition_penalty),
+        presence_penalty: s.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: s.frequency_penalty.unwrap_or(d.frequency_penalty),
+        logit_bias,
+        seed: s.seed,
+    };
+    Ok(GenerateRequest {
+        prompt: r.prompt_token_ids,
+        params,
+        max_tokens: r.max_tokens,
+        stop: r.stop,
+        stop_token_ids: r.stop_token_ids,
+        ignore_eos: r.ignore_eos,
+        cache_salt: r.cache_salt,
+    })
+}
+
+/// What the per-request log line reports.
+struct RequestLog {
+    id: String,
+    /// Only with `--log-prompts`.
+    prompt_text: Option<String>,
+    started: Instant,
+    first_token: Option<Instant>,
+    tokens: u32,
+}
+
+impl RequestLog {
+    fn ms(&self, at: Option<Instant>) -> u64 {
+        at.map_or(0, |t| (t - self.started).as_millis() as u64)
+    }
+
+    fn finished(&self, reason: FinishReason, usage: &Usage) {
+        tracing::info!(
+            request_id = %self.id,
+            prompt_tokens = usage.prompt_tokens,
+            completion_tokens = usage.completion_tokens,
+            cached_tokens = usage.cached_tokens,
+            ttft_ms = self.ms(self.first_token),
+            total_ms = self.ms(Some(Instant::now())),
+            finish = ?reason,
+            prompt = self.prompt_text.as_deref(),
+            "request finished"
+        );
+    }
+}
+
+/// A Generate response stream (see the module docs: it owns the engine's receiver).
+pub struct GenerateStream {
+    events: EventStream,
+    /// Messages ready to send, in order.
+    out: VecDeque<Result<pb::GenerateResponse, Status>>,
+    /// The engine's last event for this request has been taken.
+    done: bool,
+    log: RequestLog,
+    _in_flight: InFlight,
+}
+
+impl GenerateStream {
+    /// The Delta at the back of the queue, appended to, or a new one.
+    fn delta(&mut self) -> &mut pb::Delta {
+        let fresh = !matches!(self.out.back(), Some(Ok(pb::GenerateResponse { kind: Some(Kind::Delta(_)) })));
+        if fresh {
+            self.out.push_back(Ok(pb::GenerateResponse { kind: Some(Kind::Delta(pb::Delta::default())) }));
+        }
+        match self.out.back_mut() {
+            Some(Ok(pb::GenerateResponse { kind: Some(Kind::Delta(d)) })) => d,
+            _ => unreachable!("a Delta was just ensured at the back"),
+        }
+    }
+
+    fn absorb(&mut self, ev: Event) {
+        match ev {
+            Event::Token { id, text } => {
+                self.log.first_token.get_or_insert_with(Instant::now);
+                self.log.tokens += 1;
+                let d = self.delta();
+                d.token_ids.push(id);
+                d.text.push_str(&text);
+            }
+            Event::Finished { text, reason, usage } => {
+                if !text.is_empty() {
+                    self.delta().text.push_str(&text);
+                }
+                self.log.finished(reason, &usage);
+                let finished = pb::Finished {
+                    reason: finish_reason(reason) as i32,
+                    usage: Some(pb::Usage {
+                        prompt_tokens: usage.prompt_tokens,
+                        completion_tokens: usage.completion_tokens,
+                        cached_prompt_tokens: usage.cached_tokens,
+                    }),
+                };
+                self.out.push_back(Ok(pb::GenerateResponse { kind: Some(Kind::Finished(finished)) }));
+                self.done = true;
+            }
+            Event::Failed { message } => {
+                tracing::warn!(request_id = %self.log.id, error = %message, "request failed");
+                self.out.push_back(Err(NodeError::ModelFailed(message).into()));
+                self.done = true;
+            }
+        }
+    }
+}
+
+impl Stream for GenerateStream {
+    type Item = Result<pb::GenerateResponse, Status>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.out.is_empty() && !this.done {
+            match this.events.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => this.absorb(Event::Failed { message: "the engine stopped".into() }),
+                Poll::Ready(Some(ev)) => {
+                    this.absorb(ev);
+                    while !this.done {
+                        let Ok(ev) = this.events.try_recv() else {
+                            break;
+                        };
+                        this.absorb(ev);
+                    }
+                }
+            }
+        }
+        Poll::Ready(this.out.pop_front())
+    }
+}
+
+impl Drop for GenerateStream {
+    fn drop(&mut self) {
+        if !self.done {
+            tracing::info!(
+                request_id = %self.log.id,
+                completion_tokens = self.log.tokens,
+                ttft_ms = self.log.ms(self.log.first_token),
+                total_ms = self.log.ms(Some(Instant::now())),
+                "request cancelled by the client"
+            );
+        }
+    }
+}
+
+fn finish_reason(r: FinishReason) -> pb::FinishReason {
+    match r {
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Cancelled => pb::FinishReason::Cancelled,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absent_sampling_fields_take_the_openai_defaults_not_zero() {
+        let r = engine_request(pb::GenerateRequest { prompt_token_ids: vec![1], ..Default::default() }).unwrap();
+        assert_eq!(r.params, SamplingParams::default());
+        assert_eq!(r.max_tokens, None);
+        let greedy = pb::SamplingParams { temperature: Some(0.0), ..Default::default() };
+        let r = engine_request(pb::GenerateRequest { sampling: Some(greedy), ..Default::default() }).unwrap();
+        assert_eq!(r.params.temperature, 0.0);
+        assert_eq!(r.params.top_p, 1.0);
+    }
+
+    #[test]
+    fn an_empty_stop_string_is_refused_rather_than_stopping_at_once() {
+        let r = engine_request(pb::GenerateRequest { stop: vec![String::new()], ..Default::default() });
+        assert!(matches!(r, Err(NodeError::Malformed(_))));
+    }
+}

@@ -1,0 +1,157 @@
+//! `bellows-worker serve`: the engine as a cluster node.
+//!
+//! A node serves the `bellows.worker.v1.Worker` gRPC contract (Generate, ModelInfo, WatchLoad)
+//! and standard gRPC health, registers itself in etcd, and stops without losing a request:
+//!
+//! 1. bind the port and serve at once (health NOT_SERVING, calls refused with UNAVAILABLE), so
+//!    orchestrators see a live process while the model loads;
+//! 2. load the model, then health SERVING, then register in etcd: a router can only find a
+//!    node that is able to serve;
+//! 3. on SIGTERM/SIGINT: deregister first (routers stop sending), refuse new work, let in-flight
+//!    requests finish (up to `--drain-timeout`), close the streams that never end by themselves,
+//!    exit 0. A second signal skips the wait.
+//!
+//! One concern per module: [`args`] (flags), [`model`] (starting the engine, ModelInfo),
+//! [`grpc`] (the service), [`load_report`] (WatchLoad), [`registration`] (etcd), [`drain`]
+//! (lifecycle and admission), [`status`] (errors to gRPC codes).
+
+pub mod args;
+pub mod drain;
+pub mod grpc;
+pub mod load_report;
+pub mod model;
+pub mod registration;
+pub mod status;
+
+use std::{net::SocketAddr, time::Duration};
+
+use anyhow::{Context, Result};
+use bellows_common::cluster::{WorkerRecord, worker_key};
+use bellows_proto::worker::v1::worker_server::WorkerServer;
+use tonic::transport::{Server, server::TcpIncoming};
+use tonic_health::{ServingStatus, server::HealthReporter};
+
+pub use args::ServeArgs;
+use drain::{Lifecycle, Phase, Signals};
+use grpc::{Ready, WorkerService};
+use registration::{Registration, RegistrationConfig};
+
+/// How long the server may take to close its connections once every request is done.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// Run a node until it is stopped by a signal.
+pub fn run(args: ServeArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let result = rt.block_on(serve(args));
+    // A model load interrupted by a signal is still running on a blocking thread: do not wait.
+    rt.shutdown_timeout(Duration::from_millis(100));
+    result
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let mut signals = Signals::install().context("installing signal handlers")?;
+    let listener =
+        tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    let local = listener.local_addr()?;
+    let node_id = args.node_id.clone().unwrap_or_else(|| format!("{}-{}", hostname(), local.port()));
+    let advertise = args.advertise_address.clone().unwrap_or_else(|| advertised(local));
+    // Check the key before anything slow: a bad name is a configuration error.
+    let key = worker_key(&args.cluster, &node_id)?;
+
+    let lifecycle = Lifecycle::new();
+    let (health, health_service) = tonic_health::server::health_reporter();
+    set_health(&health, ServingStatus::NotServing).await;
+    let service = WorkerService::new(node_id.clone(), lifecycle.clone(), args.log_prompts);
+    let server = {
+        let closed = lifecycle.clone();
+        let router = Server::builder().add_service(health_service).add_service(WorkerServer::new(service.clone()));
+        tokio::spawn(async move {
+            router.serve_with_incoming_shutdown(TcpIncoming::from(listener), async move { closed.closed().await }).await
+        })
+    };
+    tracing::info!(address = %local, node_id, engine = ?args.engine, "listening; loading the model");
+
+    let load_args = args.clone();
+    let loaded = tokio::select! {
+        r = tokio::task::spawn_blocking(move || model::load(&load_args)) => r.context("the model loader panicked")??,
+        sig = signals.next() => {
+            tracing::info!(signal = sig, "stopped while loading the model");
+            lifecycle.advance(Phase::Closed);
+            return Ok(());
+        }
+    };
+    let engine = loaded.engine;
+    let handle = engine.handle();
+    let caps = load_report::Caps { max_waiting: args.max_waiting as u32, max_running: args.max_running as u32 };
+    let record = WorkerRecord {
+        address: advertise,
+        model_id: loaded.info.model_id.clone(),
+        block_size: loaded.info.kv_block_size,
+        context_length: loaded.info.context_length,
+        capacity: args.max_running as u32,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    tracing::info!(
+        model_id = %record.model_id,
+        context_length = record.context_length,
+        block_size = record.block_size,
+        "model loaded"
+    );
+    service.set_ready(Ready {
+        load: load_report::spawn_sampler(handle.clone(), caps, lifecycle.clone()),
+        engine: handle,
+        info: loaded.info,
+        tokenizer: loaded.tokenizer,
+    });
+    lifecycle.advance(Phase::Serving);
+    set_health(&health, ServingStatus::Serving).await;
+
+    let endpoints = args.etcd_endpoints();
+    let registration = (!endpoints.is_empty())
+        .then(|| Registration::spawn(RegistrationConfig { endpoints, key, record, ttl: args.lease_ttl }));
+    tracing::info!(node_id, "serving");
+
+    let sig = signals.next().await;
+    tracing::info!(signal = sig, in_flight = lifecycle.in_flight(), "draining");
+    if let Some(r) = registration {
+        r.deregister().await;
+    }
+    lifecycle.advance(Phase::Draining);
+    set_health(&health, ServingStatus::NotServing).await;
+    tokio::select! {
+        left = lifecycle.wait_idle(args.drain_timeout) => if left > 0 {
+            tracing::warn!(abandoned = left, timeout = ?args.drain_timeout, "drain timeout: abandoning requests");
+        },
+        sig = signals.next() => tracing::warn!(signal = sig, abandoned = lifecycle.in_flight(), "second signal: not waiting"),
+    }
+    lifecycle.advance(Phase::Closed);
+    // Stopping the engine fails whatever is left, which ends those streams.
+    tokio::task::spawn_blocking(move || drop(engine)).await?;
+    match tokio::time::timeout(CLOSE_GRACE, server).await {
+        Ok(served) => served?.context("the gRPC server failed")?,
+        Err(_) => tracing::warn!("connections still open after the drain; closing them"),
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn set_health(health: &HealthReporter, status: ServingStatus) {
+    // "" is the whole server, as orchestrators probe it; the service name for clients that ask.
+    health.set_service_status("", status).await;
+    health.set_service_status(<WorkerServer<WorkerService> as tonic::server::NamedService>::NAME, status).await;
+}
+
+/// This host's name, for default node ids and advertised addresses.
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "worker".into())
+}
+
+/// The listen address, with the host's name in place of an unspecified IP.
+fn advertised(local: SocketAddr) -> String {
+    if local.ip().is_unspecified() { format!("{}:{}", hostname(), local.port()) } else { local.to_string() }
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The engine benchmarks of docs/BENCHMARKS.md, side by side with llama.cpp in one run.
+# Run on a quiet machine (scripts/quiet.sh pauses niced background processes). Prints JSON lines.
+#   usage: scripts/bench-engine.sh [RUNS]      (default 5 alternating single-stream runs each)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs="${1:-5}"
+model="$(scripts/fetch-model.sh)"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target}"
+cargo build --release -q -p bellows-worker
+bin="$CARGO_TARGET_DIR/release/bellows-worker"
+if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+    python3 -m venv .venv
+    .venv/bin/pip install -q llama-cpp-python==0.3.36   # builds llama.cpp from source (~10 min)
+fi
+echo "{\"date\": \"$(date -u +%FT%TZ)\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"cores\": $(nproc)}"
+# Single stream, alternating so both see the same machine: greedy, "Once upon a time", 128 tokens.
+ours=(); ref=()
+for _ in $(seq "$runs"); do
+    ref+=("$(.venv/bin/python scripts/reference/llama_cpp_bench.py --model "$model" --threads 2 --ignore-eos \
+        | python3 -c 'import json,sys; print(json.load(sys.stdin)["decode_tok_s"])')")
+    ours+=("$("$bin" bench --model "$model" --suite decode --repeat 1 2>/dev/null \
+        | python3 -c 'import json,sys; print(json.load(sys.stdin)["single_stream"]["decode_tok_s"])')")
+done
+python3 - "${ours[*]}" "${ref[*]}" <<'PY'
+import json, statistics, sys
+ours = [float(x) for x in sys.argv[1].split()]; ref = [float(x) for x in sys.argv[2].split()]
+print(json.dumps({"single_stream_decode_tok_s": {"bellows_median": statistics.median(ours),
+    "llama_cpp_median": statistics.median(ref), "ratio": statistics.median(ours) / statistics.median(ref),
+    "bellows_runs": ours, "llama_cpp_runs": ref}}))
+PY
+"$bin" bench --model "$model" --suite batch,ttft,itl 2>/dev/null | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))'
