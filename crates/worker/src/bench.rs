@@ -23,6 +23,7 @@ use crate::{
     model::llama::LoadOptions,
     request::{Event, GenerateRequest, Usage},
     sampling::SamplingParams,
+    scheduler::SchedulerConfig,
     tokenizer::ModelTokenizer,
 };
 
@@ -237,19 +238,15 @@ fn bench_ttft(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
 fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     let mut out = serde_json::Map::new();
     let cases = [
-        ("governed", EngineConfig::default().max_batch_tokens, Some(a.itl_slowdown)),
+        ("governed", SchedulerConfig::default().max_batch_tokens, Some(a.itl_slowdown)),
         ("chunked", a.itl_chunk, None),
         ("unchunked", 2048 + 64, None),
     ];
     for (name, budget, itl_slowdown) in cases {
         // Room for 8 streams growing through a long prefill without preemption.
-        let cfg = EngineConfig {
-            max_batch_tokens: budget,
-            max_running: 16,
-            itl_slowdown,
-            kv_cache_mb: 2048,
-            ..Default::default()
-        };
+        let scheduler =
+            SchedulerConfig { max_batch_tokens: budget, max_running: 16, itl_slowdown, ..Default::default() };
+        let cfg = EngineConfig { kv_cache_mb: 2048, scheduler };
         let engine = ctx.engine(cfg)?;
         let h = engine.handle();
         let stop = AtomicBool::new(false);

@@ -21,7 +21,7 @@ use bellows_common::prefix_hash::{BlockHash, ChainRoot};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use crate::{
-    kv_cache::KvEvent,
+    kv_cache::{BlockPool, KvEvent},
     model::{Backend, ModelSpec},
     request::{Event, GenerateRequest, SubmitError},
     sampling::Sampler,
@@ -30,30 +30,17 @@ use crate::{
     vocab::Vocab,
 };
 
-/// Engine sizing: the scheduler's knobs plus the KV memory budget.
+/// Engine sizing: the KV memory budget and the scheduler's knobs.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// KV cache budget in MiB; the pool gets as many blocks as fit. Default 512.
     pub kv_cache_mb: usize,
-    pub block_size: usize,
-    pub max_batch_tokens: usize,
-    pub max_running: usize,
-    pub max_waiting: usize,
-    /// See [`SchedulerConfig::itl_slowdown`].
-    pub itl_slowdown: Option<f64>,
+    pub scheduler: SchedulerConfig,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        let s = SchedulerConfig::default();
-        EngineConfig {
-            kv_cache_mb: 512,
-            block_size: s.block_size,
-            max_batch_tokens: s.max_batch_tokens,
-            max_running: s.max_running,
-            max_waiting: s.max_waiting,
-            itl_slowdown: s.itl_slowdown,
-        }
+        EngineConfig { kv_cache_mb: 512, scheduler: SchedulerConfig::default() }
     }
 }
 
@@ -98,30 +85,23 @@ pub struct EngineHandle {
 impl Engine {
     pub fn start(mut backend: Box<dyn Backend>, vocab: Arc<dyn Vocab>, cfg: EngineConfig) -> Result<Engine> {
         let spec = backend.spec().clone();
-        let block_bytes = spec.kv_bytes_per_token * cfg.block_size;
+        let s = cfg.scheduler;
+        let block_bytes = spec.kv_bytes_per_token * s.block_size;
         let num_blocks = (cfg.kv_cache_mb << 20) / block_bytes;
         anyhow::ensure!(num_blocks >= 1, "--kv-cache-mb {} holds no block of {block_bytes} bytes", cfg.kv_cache_mb);
-        anyhow::ensure!(cfg.max_running <= cfg.max_batch_tokens, "max_running must not exceed max_batch_tokens");
-        backend.allocate_kv(num_blocks, cfg.block_size)?;
+        anyhow::ensure!(s.max_running <= s.max_batch_tokens, "max_running must not exceed max_batch_tokens");
+        backend.allocate_kv(num_blocks, s.block_size)?;
         let stats = Arc::new(Stats::default());
-        let sched_cfg = SchedulerConfig {
-            block_size: cfg.block_size,
-            num_blocks,
-            max_batch_tokens: cfg.max_batch_tokens,
-            max_running: cfg.max_running,
-            max_waiting: cfg.max_waiting,
-            itl_slowdown: cfg.itl_slowdown,
-        };
         let shared = Arc::new(Shared {
             stats: stats.clone(),
-            context: spec.context_length.min(num_blocks * cfg.block_size),
+            context: spec.context_length.min(num_blocks * s.block_size),
             spec,
-            block_size: cfg.block_size,
-            max_waiting: cfg.max_waiting,
+            block_size: s.block_size,
+            max_waiting: s.max_waiting,
             next_id: AtomicU64::new(1),
         });
         let (tx, rx) = mpsc::channel();
-        let mut sched = Scheduler::new(sched_cfg, vocab, stats);
+        let mut sched = Scheduler::new(s, BlockPool::new(num_blocks, shared.block_size), vocab, stats);
         let thread = std::thread::Builder::new()
             .name("bellows-engine".into())
             .spawn(move || run(&mut sched, backend.as_mut(), rx))

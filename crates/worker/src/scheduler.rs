@@ -40,12 +40,10 @@ use crate::{
 };
 
 /// Scheduling knobs.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct SchedulerConfig {
     /// Tokens per KV block (the prefix-cache granularity, shared with the router). Default 16.
     pub block_size: usize,
-    /// Blocks in the pool (from the KV memory budget).
-    pub num_blocks: usize,
     /// Tokens one forward pass may carry: decode tokens plus prefill chunks. Default 256.
     /// Smaller keeps inter-token latency steadier while long prompts arrive; larger prefills faster.
     pub max_batch_tokens: usize,
@@ -61,14 +59,7 @@ pub struct SchedulerConfig {
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        SchedulerConfig {
-            block_size: 16,
-            num_blocks: 1024,
-            max_batch_tokens: 256,
-            max_running: 64,
-            max_waiting: 256,
-            itl_slowdown: None,
-        }
+        SchedulerConfig { block_size: 16, max_batch_tokens: 256, max_running: 64, max_waiting: 256, itl_slowdown: None }
     }
 }
 
@@ -210,10 +201,10 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(cfg: SchedulerConfig, vocab: Arc<dyn Vocab>, stats: Arc<Stats>) -> Self {
+    pub fn new(cfg: SchedulerConfig, pool: BlockPool, vocab: Arc<dyn Vocab>, stats: Arc<Stats>) -> Self {
         assert!(cfg.max_running <= cfg.max_batch_tokens, "max_running must not exceed max_batch_tokens");
-        let pool = BlockPool::new(cfg.num_blocks, cfg.block_size);
-        stats.kv_blocks_total.store(cfg.num_blocks as u64, Relaxed);
+        assert_eq!(cfg.block_size, pool.block_size(), "pool and scheduler disagree on the block size");
+        stats.kv_blocks_total.store(pool.total() as u64, Relaxed);
         let governor = cfg.itl_slowdown.map(PrefillGovernor::new);
         Scheduler { cfg, pool, waiting: VecDeque::new(), running: Vec::new(), vocab, stats, rr: 0, governor }
     }

@@ -17,6 +17,7 @@ use bellows_worker::{
     model::{Backend, BatchRow, llama::LoadOptions},
     request::{Event, FinishReason, GenerateRequest, Usage},
     sampling::SamplingParams,
+    scheduler::SchedulerConfig,
     tokenizer::{ChatMessage, ModelTokenizer},
 };
 
@@ -150,7 +151,10 @@ fn chunk_size_never_changes_the_logits_or_the_greedy_tokens() {
 
 #[test]
 fn batch_composition_never_changes_a_requests_tokens() {
-    let (e, tok) = engine(EngineConfig { max_batch_tokens: 48, max_running: 8, ..Default::default() });
+    let (e, tok) = engine(EngineConfig {
+        scheduler: SchedulerConfig { max_batch_tokens: 48, max_running: 8, ..Default::default() },
+        ..Default::default()
+    });
     let h = e.handle();
     let reqs: Vec<GenerateRequest> = [
         "Once upon a time",

@@ -13,6 +13,7 @@ use bellows_worker::{
     model::sim::{SimConfig, SimModel, SimVocab},
     request::{Event, FinishReason, GenerateRequest, SubmitError, Usage},
     sampling::SamplingParams,
+    scheduler::SchedulerConfig,
 };
 
 fn sim_engine(sim: SimConfig, cfg: EngineConfig) -> Engine {
@@ -101,7 +102,13 @@ fn the_context_is_bounded_by_the_kv_pool_so_no_lone_request_can_exhaust_it() {
 fn concurrent_submitters_never_push_the_queue_past_its_cap() {
     // One slow step keeps the engine from admitting anything while 8 threads race to submit.
     let sim = SimConfig { base_us: 1_500_000, ..fast() };
-    let e = sim_engine(sim, EngineConfig { max_waiting: 10, max_running: 1, ..Default::default() });
+    let e = sim_engine(
+        sim,
+        EngineConfig {
+            scheduler: SchedulerConfig { max_waiting: 10, max_running: 1, ..Default::default() },
+            ..Default::default()
+        },
+    );
     let h = e.handle();
     let _busy = h.submit(req(vec![1, 2, 3], 2)).unwrap();
     wait_until("first request admitted", || h.stats().running_requests == 1 && h.stats().steps == 0);
@@ -159,7 +166,13 @@ fn dropping_the_receiver_cancels_the_request_and_frees_its_blocks() {
 #[test]
 fn a_long_prompt_neither_starves_a_short_one_nor_freezes_running_streams() {
     // 32 tokens a step: the 2,000-token prompt needs ~63 steps of prefill.
-    let e = sim_engine(fast(), EngineConfig { max_batch_tokens: 32, max_running: 8, ..Default::default() });
+    let e = sim_engine(
+        fast(),
+        EngineConfig {
+            scheduler: SchedulerConfig { max_batch_tokens: 32, max_running: 8, ..Default::default() },
+            ..Default::default()
+        },
+    );
     let h = e.handle();
     let mut running = h.submit(req(vec![3; 8], 500)).unwrap();
     running.blocking_recv().unwrap(); // decoding

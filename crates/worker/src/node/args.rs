@@ -5,7 +5,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, ValueEnum};
 
-use crate::{engine::EngineConfig, model::sim::SimConfig};
+use crate::{engine::EngineConfig, model::sim::SimConfig, scheduler::SchedulerConfig};
 
 /// Which engine serves requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -63,13 +63,13 @@ pub struct ServeArgs {
     #[arg(long, env = "BELLOWS_KV_CACHE_MB", default_value_t = EngineConfig::default().kv_cache_mb)]
     pub kv_cache_mb: usize,
     /// Tokens one forward pass may carry (decode tokens plus prefill chunks).
-    #[arg(long, env = "BELLOWS_MAX_BATCH_TOKENS", default_value_t = EngineConfig::default().max_batch_tokens)]
+    #[arg(long, env = "BELLOWS_MAX_BATCH_TOKENS", default_value_t = SchedulerConfig::default().max_batch_tokens)]
     pub max_batch_tokens: usize,
     /// Sequences running at once (also the capacity the node registers).
-    #[arg(long, env = "BELLOWS_MAX_RUNNING", default_value_t = EngineConfig::default().max_running)]
+    #[arg(long, env = "BELLOWS_MAX_RUNNING", default_value_t = SchedulerConfig::default().max_running)]
     pub max_running: usize,
     /// Requests that may wait for admission; more are refused at once (RESOURCE_EXHAUSTED).
-    #[arg(long, env = "BELLOWS_MAX_WAITING", default_value_t = EngineConfig::default().max_waiting)]
+    #[arg(long, env = "BELLOWS_MAX_WAITING", default_value_t = SchedulerConfig::default().max_waiting)]
     pub max_waiting: usize,
     /// Hold steps that mix prefill with decoding to this multiple of a decode-only step (e.g.
     /// 1.5), adapting the prefill tokens per step: steadier streams, slower long prompts. Off by
@@ -86,11 +86,13 @@ impl ServeArgs {
     pub fn engine_config(&self) -> EngineConfig {
         EngineConfig {
             kv_cache_mb: self.kv_cache_mb,
-            max_batch_tokens: self.max_batch_tokens,
-            max_running: self.max_running,
-            max_waiting: self.max_waiting,
-            itl_slowdown: self.itl_slowdown,
-            ..EngineConfig::default()
+            scheduler: SchedulerConfig {
+                max_batch_tokens: self.max_batch_tokens,
+                max_running: self.max_running,
+                max_waiting: self.max_waiting,
+                itl_slowdown: self.itl_slowdown,
+                ..SchedulerConfig::default()
+            },
         }
     }
 
