@@ -27,6 +27,36 @@ pub fn default_model_path() -> PathBuf {
     dir.join(DEFAULT_MODEL_FILE)
 }
 
+/// The flags that choose and load a GGUF model, shared by every subcommand that loads one.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// GGUF model file [default: $BELLOWS_MODEL or ~/.cache/bellows/models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long, env = "BELLOWS_MODEL")]
+    pub model: Option<PathBuf>,
+    /// A tokenizer.json that overrides the GGUF's vocabulary.
+    #[arg(long, env = "BELLOWS_TOKENIZER_JSON")]
+    pub tokenizer_json: Option<PathBuf>,
+    /// Keep Q4_1/Q5_0/Q5_1 weights as they are instead of re-quantizing them to Q8_0.
+    #[arg(long, env = "BELLOWS_NO_REQUANTIZE")]
+    pub no_requantize: bool,
+    /// Do not zero-pad matmul inputs for candle's repacked Q8_0 kernels (slower, finer activation
+    /// quantization).
+    #[arg(long, env = "BELLOWS_NO_REPACK")]
+    pub no_repack: bool,
+}
+
+impl ModelArgs {
+    pub fn path(&self) -> PathBuf {
+        self.model.clone().unwrap_or_else(default_model_path)
+    }
+
+    /// Load weights and tokenizer as these flags say.
+    pub fn load(&self, progress: bool) -> Result<(LlamaModel, ModelTokenizer)> {
+        let opts = LoadOptions { requantize: !self.no_requantize, repack: !self.no_repack, progress };
+        load_gguf(&self.path(), &opts, self.tokenizer_json.as_deref())
+    }
+}
+
 /// Load weights and tokenizer from one GGUF file (`tokenizer_json` overrides the vocabulary).
 pub fn load_gguf(
     path: &Path,

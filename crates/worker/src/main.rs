@@ -3,7 +3,6 @@
 
 use std::{
     io::{IsTerminal, Write},
-    path::PathBuf,
     sync::Arc,
     time::Instant,
 };
@@ -12,8 +11,7 @@ use anyhow::{Result, bail};
 use bellows_worker::{
     bench::{self, BenchArgs},
     engine::{Engine, EngineConfig},
-    load::{default_model_path, load_gguf},
-    model::llama::LoadOptions,
+    load::ModelArgs,
     node::{self, ServeArgs},
     request::{Event, GenerateRequest},
     sampling::SamplingParams,
@@ -40,29 +38,12 @@ enum Cmd {
 }
 
 #[derive(Args)]
-struct ModelArgs {
-    /// GGUF model file [default: $BELLOWS_MODEL or ~/.cache/bellows/models/SmolLM2-135M-Instruct.Q4_1.gguf]
-    #[arg(long, env = "BELLOWS_MODEL")]
-    model: Option<PathBuf>,
-    /// A tokenizer.json that overrides the GGUF's vocabulary.
-    #[arg(long, env = "BELLOWS_TOKENIZER_JSON")]
-    tokenizer_json: Option<PathBuf>,
-    /// Keep Q4_1/Q5_0/Q5_1 weights as they are instead of re-quantizing them to Q8_0.
-    #[arg(long, env = "BELLOWS_NO_REQUANTIZE")]
-    no_requantize: bool,
-    /// Do not zero-pad matmul inputs for candle's repacked Q8_0 kernels (slower, finer activation
-    /// quantization).
-    #[arg(long, env = "BELLOWS_NO_REPACK")]
-    no_repack: bool,
-    /// KV cache budget in MiB.
-    #[arg(long, env = "BELLOWS_KV_CACHE_MB", default_value_t = 512)]
-    kv_cache_mb: usize,
-}
-
-#[derive(Args)]
 struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// KV cache budget in MiB.
+    #[arg(long, env = "BELLOWS_KV_CACHE_MB", default_value_t = EngineConfig::default().kv_cache_mb)]
+    kv_cache_mb: usize,
     /// The prompt text.
     #[arg(long, short)]
     prompt: String,
@@ -89,6 +70,14 @@ struct GenerateArgs {
 }
 
 fn main() -> Result<()> {
+    // candle's matmul workers spin 25,000 times before parking. When the worker shares its cores
+    // (anything else running), that spinning starves the very thread being waited for: measured
+    // here, decode fell to 8-17 tok/s with the default and 26-37 with 2,000, with no measurable
+    // loss on a quiet machine (docs/BENCHMARKS.md). An explicit setting wins.
+    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+        // SAFETY: first statement of main, before any thread exists.
+        unsafe { std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "2000") };
+    }
     let cli = Cli::parse();
     // A node logs one line per request; the terminal tools only warnings.
     let default_filter = if matches!(cli.cmd, Cmd::Serve(_)) { "info" } else { "warn" };
@@ -107,10 +96,8 @@ fn main() -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    let path = a.model.model.clone().unwrap_or_else(default_model_path);
-    let opts = LoadOptions { requantize: !a.model.no_requantize, repack: !a.model.no_repack, progress: true };
     let t0 = Instant::now();
-    let (model, tok) = load_gguf(&path, &opts, a.model.tokenizer_json.as_deref())?;
+    let (model, tok) = a.model.load(true)?;
     let load_s = t0.elapsed().as_secs_f64();
     let tok = Arc::new(tok);
     let text = if a.chat {
@@ -124,11 +111,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
         a.prompt.clone()
     };
     let prompt = tok.encode(&text, !a.chat)?;
-    let engine = Engine::start(
-        Box::new(model),
-        tok.clone(),
-        EngineConfig { kv_cache_mb: a.model.kv_cache_mb, ..Default::default() },
-    )?;
+    let engine =
+        Engine::start(Box::new(model), tok.clone(), EngineConfig { kv_cache_mb: a.kv_cache_mb, ..Default::default() })?;
     let params = SamplingParams {
         temperature: a.temperature,
         top_p: a.top_p,

@@ -14,8 +14,6 @@ use bellows_worker::tokenizer::{ChatMessage, Detokenizer, ModelTokenizer};
 use candle_core::quantized::gguf_file::Content;
 use serde::Deserialize;
 
-const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
 #[derive(Deserialize)]
 struct Reference {
     model: String,
@@ -36,13 +34,7 @@ struct Case {
 }
 
 fn model_path() -> PathBuf {
-    match std::env::var_os("BELLOWS_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let home = std::env::var_os("HOME").expect("HOME is not set");
-            PathBuf::from(home).join(".cache/bellows/models").join(DEFAULT_MODEL)
-        }
-    }
+    bellows_worker::load::default_model_path()
 }
 
 fn reference() -> &'static Reference {

@@ -1,11 +1,11 @@
 //! `bellows-worker serve` flags. Every flag also reads a `BELLOWS_*` environment variable, so a
 //! container or a Helm chart configures a node without a command line.
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{net::SocketAddr, time::Duration};
 
 use clap::{Args, ValueEnum};
 
-use crate::{engine::EngineConfig, model::sim::SimConfig, scheduler::SchedulerConfig};
+use crate::{engine::EngineConfig, load::ModelArgs, model::sim::SimConfig, scheduler::SchedulerConfig};
 
 /// Which engine serves requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -22,15 +22,8 @@ pub struct ServeArgs {
     /// cluster benchmarks).
     #[arg(long, env = "BELLOWS_ENGINE", value_enum, default_value_t = EngineKind::Gguf)]
     pub engine: EngineKind,
-    /// GGUF model file [default: $BELLOWS_MODEL or ~/.cache/bellows/models/SmolLM2-135M-Instruct.Q4_1.gguf].
-    #[arg(long, env = "BELLOWS_MODEL")]
-    pub model: Option<PathBuf>,
-    /// A tokenizer.json that overrides the GGUF's vocabulary.
-    #[arg(long, env = "BELLOWS_TOKENIZER_JSON")]
-    pub tokenizer_json: Option<PathBuf>,
-    /// Keep Q4_1/Q5_0/Q5_1 weights as they are instead of re-quantizing them to Q8_0.
-    #[arg(long, env = "BELLOWS_NO_REQUANTIZE")]
-    pub no_requantize: bool,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Settings of the simulated model (--engine sim) as JSON, e.g. '{"base_us":20000}'; fields
     /// not named keep their defaults (vocab_size, context_length, base_us, per_token_us,
     /// per_sequence_us, kv_bytes_per_token, poison_token).

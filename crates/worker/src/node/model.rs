@@ -13,10 +13,8 @@ use bellows_proto::worker::v1 as pb;
 use super::args::{EngineKind, ServeArgs};
 use crate::{
     engine::Engine,
-    load::{default_model_path, load_gguf},
     model::{
         Backend,
-        llama::LoadOptions,
         sim::{SimModel, SimVocab},
     },
     tokenizer::ModelTokenizer,
@@ -36,9 +34,7 @@ pub fn load(args: &ServeArgs) -> Result<LoadedModel> {
     let cfg = args.engine_config();
     match args.engine {
         EngineKind::Gguf => {
-            let path = args.model.clone().unwrap_or_else(default_model_path);
-            let opts = LoadOptions { requantize: !args.no_requantize, progress: false, ..Default::default() };
-            let (model, tok) = load_gguf(&path, &opts, args.tokenizer_json.as_deref())?;
+            let (model, tok) = args.model.load(false)?;
             let tok = Arc::new(tok);
             let tokenizer_json = tok.tokenizer_json().context("serializing the tokenizer for ModelInfo")?;
             let info = describe(
