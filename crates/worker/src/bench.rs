@@ -268,6 +268,9 @@ fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
             let traces = streams.into_iter().map(|t| t.join().expect("stream")).collect::<Result<Vec<_>>>()?;
             Ok((traces, long_trace))
         })?;
+        // Decode-only steps of the recent window: with the governor these include its probes, taken
+        // while the long prompt prefilled, so they show the streams' own pace at their current length.
+        let decode_only = h.stats();
         let (sent, done) = (long_trace.submitted, long_trace.tokens[0]);
         let (mut steady, mut during) = (Vec::new(), Vec::new());
         for t in &traces {
@@ -291,6 +294,9 @@ fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
                 "steady_itl_p50_ms": percentile(&steady, 0.5), "steady_itl_p99_ms": s99,
                 "during_itl_p50_ms": percentile(&during, 0.5), "during_itl_p99_ms": d99,
                 "during_p99_over_steady_p99": d99 / s99,
+            "recent_decode_only_step_p50_ms": decode_only.decode_step_p50_ms,
+            "recent_decode_only_step_p99_ms": decode_only.decode_step_p99_ms,
+            "during_p99_over_recent_decode_only_p99": d99 / decode_only.decode_step_p99_ms,
                 "gaps_steady": steady.len(), "gaps_during": during.len(),
             }),
         );
