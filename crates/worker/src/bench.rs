@@ -6,7 +6,6 @@
 //! channel. Numbers are only comparable within one run on a quiet machine.
 
 use std::{
-    path::PathBuf,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -19,8 +18,7 @@ use serde_json::{Value, json};
 
 use crate::{
     engine::{Engine, EngineConfig, EngineHandle},
-    load::{default_model_path, load_gguf},
-    model::llama::LoadOptions,
+    load::ModelArgs,
     request::{Event, GenerateRequest, Usage},
     sampling::SamplingParams,
     scheduler::SchedulerConfig,
@@ -29,9 +27,8 @@ use crate::{
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// GGUF model file [default: the default model].
-    #[arg(long, env = "BELLOWS_MODEL")]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Which benchmarks: all, decode, batch, ttft, itl (comma-separated).
     #[arg(long, default_value = "all")]
     pub suite: String,
@@ -97,13 +94,13 @@ fn percentile(v: &[f64], q: f64) -> f64 {
 }
 
 struct Ctx {
-    path: PathBuf,
+    model: ModelArgs,
     tok: Arc<ModelTokenizer>,
 }
 
 impl Ctx {
     fn engine(&self, cfg: EngineConfig) -> Result<Engine> {
-        let (model, _) = load_gguf(&self.path, &LoadOptions::default(), None)?;
+        let (model, _) = self.model.load(false)?;
         Engine::start(Box::new(model), self.tok.clone(), cfg)
     }
 
@@ -129,13 +126,14 @@ impl Ctx {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    let path = a.model.clone().unwrap_or_else(default_model_path);
-    let (_, tok) = load_gguf(&path, &LoadOptions::default(), None)?;
-    let ctx = Ctx { path, tok: Arc::new(tok) };
+    let (_, tok) = a.model.load(false)?;
+    let ctx = Ctx { model: a.model.clone(), tok: Arc::new(tok) };
     let all = a.suite == "all";
     let want = |s: &str| all || a.suite.split(',').any(|x| x == s);
     let mut out = json!({
-        "model": ctx.path.file_name().map(|f| f.to_string_lossy().into_owned()),
+        "model": ctx.model.path().file_name().map(|f| f.to_string_lossy().into_owned()),
+        "requantize": !ctx.model.no_requantize,
+        "repack": !ctx.model.no_repack,
         "threads": candle_core::utils::get_num_threads(),
     });
     if want("decode") {

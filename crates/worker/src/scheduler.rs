@@ -209,10 +209,6 @@ impl Scheduler {
         Scheduler { cfg, pool, waiting: VecDeque::new(), running: Vec::new(), vocab, stats, rr: 0, governor }
     }
 
-    pub fn config(&self) -> &SchedulerConfig {
-        &self.cfg
-    }
-
     pub fn add(&mut self, seq: Sequence) {
         self.waiting.push_back(seq);
         self.publish_gauges();
@@ -496,15 +492,6 @@ impl Scheduler {
         st.running_requests.store(self.running.len() as u64, Relaxed);
         st.waiting_prompt_tokens.store(self.waiting.iter().map(|s| s.pending() as u64).sum(), Relaxed);
         st.kv_blocks_used.store(self.pool.used() as u64, Relaxed);
-    }
-
-    /// Requests waiting (new or preempted) and running, for tests and load reports.
-    pub fn queue_lengths(&self) -> (usize, usize) {
-        (self.waiting.len(), self.running.len())
-    }
-
-    pub fn kv_blocks_used(&self) -> usize {
-        self.pool.used()
     }
 }
 

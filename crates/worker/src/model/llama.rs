@@ -316,10 +316,6 @@ impl LlamaModel {
         };
         Ok(LlamaModel { spec, cfg, device, embed, layers, norm, lm_head, rope, kv: Vec::new() })
     }
-
-    pub fn config(&self) -> &LlamaConfig {
-        &self.cfg
-    }
 }
 
 /// CPU unless built with `cuda` and a GPU is present.
