@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what a fresh Debian/Ubuntu machine lacks to build and test Bellows: protoc (gRPC code
-# generation), etcd (tests start their own), and the default model. Idempotent: does nothing that
+# generation), etcd (tests start their own), the default model, and the OpenAI Python client. Idempotent: does nothing that
 # is already done.
 set -euo pipefail
 need=()
@@ -13,3 +13,9 @@ if ((${#need[@]})); then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 "$(dirname "$0")/fetch-model.sh" >/dev/null
+# The official OpenAI Python client, for the API conformance test (its own folder, not the system's).
+openai_dir="${BELLOWS_PY_OPENAI:-$HOME/.cache/bellows/py-openai}"
+if ! PYTHONPATH="$openai_dir" python3 -c 'import openai' 2>/dev/null; then
+    python3 -m pip install --quiet --disable-pip-version-check --no-warn-conflicts --target "$openai_dir" "openai==1.109.1" 2>&1 |
+        grep -v "Running pip as the 'root' user" || true
+fi

@@ -1,10 +1,49 @@
 #!/usr/bin/env bash
-# Run Bellows locally on the default model (SmolLM2-135M-Instruct, fetched on first use).
-# Today this is one worker node (gRPC on 127.0.0.1:50051, no etcd); the OpenAI-compatible HTTP
-# router that fronts it is the next milestone (see the README).
+# Run a local Bellows cluster: the router (OpenAI API on http://127.0.0.1:8080) in front of two
+# workers serving the default model (SmolLM2-135M-Instruct, fetched on first use). Static
+# discovery, no etcd. Ctrl-C stops everything.
+#
+# Environment: BELLOWS_PORT (router port, default 8080), BELLOWS_WORKER_PORTS (default
+# "50051 50052"), BELLOWS_MODEL_ID (served name, default SmolLM2-135M-Instruct). Extra arguments
+# go to the router (e.g. --policy round_robin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target}"
-cargo build --release -p bellows-worker
-exec "$CARGO_TARGET_DIR/release/bellows-worker" serve --engine gguf --listen 127.0.0.1:50051 "$@"
+cargo build --release -p bellows-worker -p bellows-router
+bin="$CARGO_TARGET_DIR/release"
+port="${BELLOWS_PORT:-8080}"
+model="${BELLOWS_MODEL_ID:-SmolLM2-135M-Instruct}"
+logs="$(mktemp -d)"
+
+pids=()
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT INT TERM
+
+workers=()
+for p in ${BELLOWS_WORKER_PORTS:-50051 50052}; do
+    "$bin/bellows-worker" serve --engine gguf --model-id "$model" --listen "127.0.0.1:$p" >"$logs/worker-$p.log" 2>&1 &
+    pids+=($!)
+    workers+=("127.0.0.1:$p")
+done
+"$bin/bellows-router" --listen "127.0.0.1:$port" --workers "$(IFS=,; echo "${workers[*]}")" "$@" \
+    > >(tee "$logs/router.log") 2>&1 &
+pids+=($!)
+
+for _ in $(seq 600); do
+    curl -fs "http://127.0.0.1:$port/ready" >/dev/null 2>&1 && break
+    sleep 0.2
+done
+curl -fs "http://127.0.0.1:$port/ready" >/dev/null || { echo "the cluster did not become ready; logs in $logs" >&2; exit 1; }
+cat <<MSG
+
+Bellows is up: OpenAI API at http://127.0.0.1:$port/v1 (model "$model", ${#workers[@]} workers; logs in $logs)
+
+  curl http://127.0.0.1:$port/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "$model", "messages": [{"role": "user", "content": "Tell me a short story."}], "max_tokens": 64}'
+
+  python3 -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:$port/v1", api_key="none"); print(c.chat.completions.create(model="$model", messages=[{"role": "user", "content": "Hi!"}]).choices[0].message.content)'
+
+Ctrl-C stops the cluster.
+MSG
+wait "${pids[@]}"

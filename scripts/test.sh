@@ -5,8 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
+scripts/check-deploy.sh
 # A target dir that outlives the checkout: a clean clone rebuilds only what changed.
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target}"
 cargo fmt --all --check
 cargo clippy --release --workspace --all-targets -- -D warnings
+# The whole-cluster tests start the binaries themselves: build them first.
+cargo build --release --workspace --bins
 cargo test --release --workspace --no-fail-fast

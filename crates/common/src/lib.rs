@@ -1,2 +1,7 @@
+//! What router and worker must agree on. Each idea here has exactly one implementation, imported
+//! by both sides, so they cannot drift apart: the prefix-hash chain, the etcd key schema, and
+//! the chat-template rendering.
+pub mod chat_template;
 pub mod cluster;
+pub mod duration;
 pub mod prefix_hash;

@@ -6,14 +6,14 @@ mod common;
 use std::time::Duration;
 
 use bellows_proto::worker::v1 as pb;
-use common::{Node, complete, eventually, generate, greedy, sim};
+use common::{complete, eventually, generate, greedy, sim, start_node};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_lets_running_streams_finish_refuses_new_work_and_exits_zero() {
     // 30 ms steps: 60 tokens take about two seconds, far longer than the steps below.
-    let mut node = Node::start(&sim(r#"{"base_us": 30000}"#)).await;
+    let mut node = start_node(&sim(r#"{"base_us": 30000}"#)).await;
     let mut client = node.client().await;
 
     let mut streams = Vec::new();

@@ -15,14 +15,14 @@ use bellows_worker::{
     request::{Event, GenerateRequest},
     sampling::SamplingParams,
 };
-use common::{Node, eventually, generate, greedy, sim};
+use common::{eventually, generate, greedy, sim, spawn_node, start_node};
 use tonic::{Code, transport::Channel};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn generate_over_grpc_gives_the_engines_own_greedy_tokens_and_model_info_tokenizes_alike() {
     let path = default_model_path();
     assert!(path.exists(), "model {} is missing: run scripts/fetch-model.sh", path.display());
-    let node = Node::spawn(&["--model", path.to_str().unwrap()]);
+    let node = spawn_node(&["--model", path.to_str().unwrap()]);
 
     // The same model, in process, with the node's default load options.
     let (model, tok) = load_gguf(&path, &LoadOptions::default(), None).expect("model loads");
@@ -108,7 +108,7 @@ async fn report_where(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cancelled_stream_frees_its_kv_blocks() {
-    let node = Node::start(&sim(r#"{"base_us": 20000}"#)).await;
+    let node = start_node(&sim(r#"{"base_us": 20000}"#)).await;
     let mut client = node.client().await;
     let mut reports = watch(&mut client).await;
 
@@ -127,7 +127,7 @@ async fn every_refusal_maps_to_its_status_code() {
     // token 999 makes the simulated model fail.
     let mut args = sim(r#"{"base_us": 20000, "poison_token": 999}"#);
     args.extend(["--kv-cache-mb", "1", "--max-running", "1", "--max-waiting", "1"].map(String::from));
-    let node = Node::start(&args).await;
+    let node = start_node(&args).await;
     let mut client = node.client().await;
 
     let refused = |r: Result<common::Completion, tonic::Status>| r.expect_err("must be refused");

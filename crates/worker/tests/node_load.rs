@@ -8,7 +8,7 @@ use std::{collections::BTreeSet, time::Duration};
 
 use bellows_common::prefix_hash::{ChainRoot, prefix_block_hashes};
 use bellows_proto::worker::v1::{self as pb, kv_event::Kind, worker_client::WorkerClient};
-use common::{Node, generate, greedy, sim};
+use common::{generate, greedy, sim, start_node};
 use tonic::transport::Channel;
 
 async fn watch(client: &mut WorkerClient<Channel>) -> tonic::Streaming<pb::WatchLoadResponse> {
@@ -28,7 +28,7 @@ async fn watch_load_shows_a_burst_queue_up_and_drain_to_zero() {
     // 20 ms steps and two running slots: ten requests of 10 tokens queue for about a second.
     let mut args = sim(r#"{"base_us": 20000}"#);
     args.extend(["--max-running", "2", "--max-waiting", "50"].map(String::from));
-    let node = Node::start(&args).await;
+    let node = start_node(&args).await;
     let mut client = node.client().await;
     let mut reports = watch(&mut client).await;
 
@@ -89,7 +89,7 @@ impl Mirror {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kv_events_name_a_prompts_blocks_and_a_late_subscriber_starts_from_the_same_cache() {
-    let node = Node::start(&sim(r#"{"base_us": 500}"#)).await;
+    let node = start_node(&sim(r#"{"base_us": 500}"#)).await;
     let mut client = node.client().await;
     let info = client.model_info(pb::ModelInfoRequest {}).await.unwrap().into_inner();
     let bs = info.kv_block_size as usize;

@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use bellows_common::cluster::{WorkerRecord, node_id_of, worker_key, workers_prefix};
-use common::{Etcd, Node, eventually, greedy, sim};
+use common::{Etcd, Node, eventually, greedy, sim, start_node};
 use etcd_client::GetOptions;
 
 /// The nodes registered under `cluster`: (node id, record, lease id).
@@ -30,7 +30,7 @@ async fn node_in(etcd: &Etcd, cluster: &str, extra: &[&str]) -> Node {
     let mut args = sim("{}");
     args.extend(["--etcd-endpoints", &etcd.endpoint(), "--cluster", cluster, "--node-id", "n1"].map(String::from));
     args.extend(extra.iter().map(|s| s.to_string()));
-    Node::start(&args).await
+    start_node(&args).await
 }
 
 async fn wait_listed(etcd: &Etcd, cluster: &str) -> (String, WorkerRecord, i64) {

@@ -302,11 +302,7 @@ impl LlamaModel {
 
         let style = if cfg.architecture == "qwen2" { RopeStyle::Halves } else { RopeStyle::Interleaved };
         let rope = Rope::new(style, cfg.heads.head_dim, cfg.rope_theta, cfg.context_length);
-        let model_id = content
-            .metadata
-            .get("general.name")
-            .and_then(|v| v.to_string().ok().cloned())
-            .unwrap_or_else(|| path.file_stem().unwrap_or_default().to_string_lossy().into_owned());
+        let model_id = default_model_id(path);
         let spec = ModelSpec {
             model_id,
             architecture: cfg.architecture.clone(),
@@ -329,9 +325,19 @@ fn default_device() -> Result<Device> {
     Ok(Device::Cpu)
 }
 
+/// A GGUF model is served under its file name without `.gguf` unless told otherwise: the name a
+/// user chose when placing the file, unlike `general.name`, which is often long or missing.
+pub fn default_model_id(path: &Path) -> String {
+    path.file_stem().unwrap_or_default().to_string_lossy().into_owned()
+}
+
 impl Backend for LlamaModel {
     fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+
+    fn set_model_id(&mut self, model_id: String) {
+        self.spec.model_id = model_id;
     }
 
     fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {

@@ -45,6 +45,10 @@ pub struct ModelSpec {
 pub trait Backend: Send {
     fn spec(&self) -> &ModelSpec;
 
+    /// Serve the model under another name (the `model` clients ask for, and the prefix-hash
+    /// salt). Called before the engine starts.
+    fn set_model_id(&mut self, model_id: String);
+
     /// Size the KV storage. Called once, before the first forward.
     fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> anyhow::Result<()>;
 

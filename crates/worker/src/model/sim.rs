@@ -78,6 +78,10 @@ impl Backend for SimModel {
         &self.spec
     }
 
+    fn set_model_id(&mut self, model_id: String) {
+        self.spec.model_id = model_id;
+    }
+
     fn allocate_kv(&mut self, _num_blocks: usize, _block_size: usize) -> anyhow::Result<()> {
         Ok(())
     }

@@ -34,7 +34,10 @@ pub fn load(args: &ServeArgs) -> Result<LoadedModel> {
     let cfg = args.engine_config();
     match args.engine {
         EngineKind::Gguf => {
-            let (model, tok) = args.model.load(false)?;
+            let (mut model, tok) = args.model.load(false)?;
+            if let Some(id) = &args.model_id {
+                model.set_model_id(id.clone());
+            }
             let tok = Arc::new(tok);
             let tokenizer_json = tok.tokenizer_json().context("serializing the tokenizer for ModelInfo")?;
             let info = describe(
@@ -49,7 +52,10 @@ pub fn load(args: &ServeArgs) -> Result<LoadedModel> {
         }
         EngineKind::Sim => {
             let sim = args.sim_config()?;
-            let model = SimModel::new(sim.clone());
+            let mut model = SimModel::new(sim.clone());
+            if let Some(id) = &args.model_id {
+                model.set_model_id(id.clone());
+            }
             let vocab = Arc::new(SimVocab::new(sim.vocab_size));
             let info = describe(model.spec(), vocab.as_ref(), None, Vec::new(), None);
             let engine = Engine::start(Box::new(model), vocab, cfg)?;

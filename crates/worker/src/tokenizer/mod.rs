@@ -9,7 +9,6 @@
 //! [`ModelTokenizer::decode`] and the streaming [`Detokenizer`], so a streamed response and the
 //! same ids decoded at once are byte-for-byte the same text.
 
-mod chat_template;
 mod detokenize;
 mod gguf;
 
@@ -21,8 +20,8 @@ use candle_core::quantized::gguf_file::Content;
 use tokenizers::Tokenizer;
 use tokenizers::decoders::DecoderWrapper;
 
-pub use chat_template::ChatMessage;
-use chat_template::ChatTemplate;
+pub use bellows_common::chat_template::ChatMessage;
+use bellows_common::chat_template::ChatTemplate;
 pub use detokenize::Detokenizer;
 
 /// What a token contributes to output text.
@@ -312,6 +311,7 @@ impl ModelTokenizer {
             .as_ref()
             .context("the model has no chat template (no tokenizer.chat_template in its GGUF)")?
             .render(messages, add_generation_prompt)
+            .map_err(Into::into)
     }
 }
 

@@ -9,7 +9,6 @@
 //! `add_generation_prompt`, `bos_token`, `eos_token`. The template is compiled once, at load,
 //! so a template minijinja cannot parse fails the model load, not the first request.
 
-use anyhow::{Context, Result};
 use minijinja::value::Kwargs;
 use minijinja::{AutoEscape, Environment, Error, ErrorKind, Value, context};
 
@@ -22,7 +21,14 @@ pub struct ChatMessage {
 
 const NAME: &str = "chat_template";
 
-pub(super) struct ChatTemplate {
+/// A template that does not compile, or a conversation it rejects (`raise_exception`, a missing
+/// variable): the message says which.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ChatTemplateError(String);
+
+/// A compiled chat template. Immutable, `Send + Sync`: share it with `Arc`.
+pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
     bos_token: Option<String>,
@@ -30,7 +36,7 @@ pub(super) struct ChatTemplate {
 }
 
 impl ChatTemplate {
-    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self> {
+    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self, ChatTemplateError> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -39,7 +45,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source.to_owned()).map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        env.add_template_owned(NAME, source.to_owned()).map_err(|e| ChatTemplateError(format!("{e:#}")))?;
         Ok(Self {
             env,
             source: source.to_owned(),
@@ -52,8 +58,8 @@ impl ChatTemplate {
         &self.source
     }
 
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let template = self.env.get_template(NAME).context("chat template missing")?;
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatTemplateError> {
+        let template = self.env.get_template(NAME).map_err(|e| ChatTemplateError(format!("{e:#}")))?;
         // An absent special token is undefined in the template, as in HF (not the string "None").
         let token = |t: &Option<String>| t.as_deref().map_or(Value::UNDEFINED, Value::from);
         template
@@ -63,7 +69,7 @@ impl ChatTemplate {
                 bos_token => token(&self.bos_token),
                 eos_token => token(&self.eos_token),
             })
-            .map_err(|e| anyhow::anyhow!("rendering the chat template: {e:#}"))
+            .map_err(|e| ChatTemplateError(format!("rendering the chat template: {e:#}")))
     }
 }
 

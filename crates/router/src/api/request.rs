@@ -1,0 +1,485 @@
+//! Parsing and validating an OpenAI request body into a [`Job`]: everything the router checks
+//! before it spends anything on a request.
+//!
+//! Validation is separate from routing so a bad request costs no tokenization, placement or
+//! worker time, and so every rejection names its parameter. Unknown fields are ignored (clients
+//! send vendor extensions); a known field of the wrong type or out of range is an error, never
+//! silently coerced or clamped: a client that sends `temperature: 5` has a bug it must hear about.
+
+use std::collections::HashMap;
+
+use bellows_common::chat_template::ChatMessage;
+use bellows_proto::worker::v1 as pb;
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::error::ApiError;
+
+/// Which OpenAI endpoint a body came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    ChatCompletions,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "chat_completions",
+            Endpoint::Completions => "completions",
+        }
+    }
+}
+
+/// Choices one request may ask for (`n` times the number of prompts).
+pub const MAX_CHOICES: usize = 16;
+/// Stop strings one request may give.
+pub const MAX_STOP: usize = 16;
+
+/// One prompt of a completions request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// What the model is asked to continue.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    Chat(Vec<ChatMessage>),
+    /// One or more prompts; each gets `n` choices.
+    Prompts(Vec<Prompt>),
+}
+
+/// How each choice is generated: what the worker receives besides the prompt.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GenerationParams {
+    pub sampling: pb::SamplingParams,
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// A valid request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Job {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub input: Input,
+    pub n: u32,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub params: GenerationParams,
+    pub user: Option<String>,
+}
+
+impl Job {
+    /// The parameter a prompt-length error names.
+    pub fn prompt_param(&self) -> &'static str {
+        match self.input {
+            Input::Chat(_) => "messages",
+            Input::Prompts(_) => "prompt",
+        }
+    }
+}
+
+/// The body of both endpoints as sent; fields of the other endpoint are ignored.
+#[derive(Debug, Deserialize)]
+struct RawRequest {
+    model: String,
+    messages: Option<Vec<RawMessage>>,
+    prompt: Option<Value>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    n: Option<u32>,
+    stop: Option<Value>,
+    seed: Option<i64>,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i32>,
+    min_p: Option<f32>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
+    logit_bias: Option<HashMap<String, f32>>,
+    user: Option<String>,
+    logprobs: Option<Value>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    best_of: Option<u32>,
+    tools: Option<Vec<Value>>,
+    response_format: Option<Value>,
+    // vLLM extensions, handy for benchmarks.
+    ignore_eos: Option<bool>,
+    stop_token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawMessage {
+    role: String,
+    content: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+/// Parse and validate a body. Model-dependent checks (token ids within the vocabulary, context
+/// length) come later, once the model is known.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Job, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    let raw: RawRequest = serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            ApiError::InvalidRequest {
+                message: format!("The body of the request is not valid JSON: {inner}"),
+                param: None,
+            }
+        } else if path == "." {
+            ApiError::InvalidRequest { message: format!("Invalid request: {inner}"), param: None }
+        } else {
+            ApiError::InvalidRequest {
+                message: format!("Invalid type or value for '{path}': {inner}"),
+                param: Some(path),
+            }
+        }
+    })?;
+    validate(endpoint, raw)
+}
+
+fn validate(endpoint: Endpoint, raw: RawRequest) -> Result<Job, ApiError> {
+    if raw.model.is_empty() {
+        return Err(ApiError::invalid("model", "'model' must not be empty"));
+    }
+    let input = match endpoint {
+        Endpoint::ChatCompletions => {
+            let messages = raw.messages.ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?;
+            Input::Chat(chat_messages(messages)?)
+        }
+        Endpoint::Completions => {
+            let prompt = raw.prompt.ok_or_else(|| ApiError::invalid("prompt", "'prompt' is required"))?;
+            Input::Prompts(prompts(prompt)?)
+        }
+    };
+    unsupported(raw.echo == Some(true), "echo", "'echo' is not supported")?;
+    unsupported(raw.suffix.as_deref().is_some_and(|s| !s.is_empty()), "suffix", "'suffix' is not supported")?;
+    let wants_logprobs = match &raw.logprobs {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Number(n)) => n.as_u64() != Some(0),
+        Some(_) => true,
+    };
+    unsupported(wants_logprobs, "logprobs", "'logprobs' is not supported yet")?;
+    unsupported(raw.tools.as_ref().is_some_and(|t| !t.is_empty()), "tools", "tool calling is not supported")?;
+    let structured = raw.response_format.as_ref().and_then(|f| f.get("type")).and_then(Value::as_str);
+    unsupported(
+        structured.is_some_and(|t| t != "text"),
+        "response_format",
+        "only response_format {\"type\": \"text\"} is supported",
+    )?;
+
+    let n = raw.n.unwrap_or(1);
+    let prompts = match &input {
+        Input::Chat(_) => 1,
+        Input::Prompts(p) => p.len(),
+    };
+    if n == 0 || n as usize * prompts > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            "n",
+            format!("'n' must be at least 1, and n times the number of prompts at most {MAX_CHOICES}"),
+        ));
+    }
+    if let Some(best_of) = raw.best_of {
+        unsupported(best_of != n, "best_of", "'best_of' other than n is not supported")?;
+    }
+
+    // max_completion_tokens is the newer name; when both are given it wins.
+    let (max_tokens, param) = match (raw.max_completion_tokens, raw.max_tokens) {
+        (Some(m), _) => (Some(m), "max_completion_tokens"),
+        (None, m) => (m, "max_tokens"),
+    };
+    if max_tokens == Some(0) {
+        return Err(ApiError::invalid(param, format!("'{param}' must be at least 1")));
+    }
+
+    let sampling = pb::SamplingParams {
+        temperature: in_range(raw.temperature, "temperature", 0.0, 2.0, true)?,
+        top_p: in_range(raw.top_p, "top_p", 0.0, 1.0, false)?,
+        // -1 means off, as in vLLM.
+        top_k: match raw.top_k {
+            None | Some(-1) | Some(0) => None,
+            Some(k) if k > 0 => Some(k as u32),
+            Some(_) => return Err(ApiError::invalid("top_k", "'top_k' must be -1 (off), 0 (off) or positive")),
+        },
+        min_p: in_range(raw.min_p, "min_p", 0.0, 1.0, true)?,
+        repetition_penalty: match raw.repetition_penalty {
+            Some(r) if !(r > 0.0 && r <= 10.0) => {
+                return Err(ApiError::invalid("repetition_penalty", "'repetition_penalty' must be in (0, 10]"));
+            }
+            r => r,
+        },
+        presence_penalty: in_range(raw.presence_penalty, "presence_penalty", -2.0, 2.0, true)?,
+        frequency_penalty: in_range(raw.frequency_penalty, "frequency_penalty", -2.0, 2.0, true)?,
+        logit_bias: logit_bias(raw.logit_bias.unwrap_or_default())?,
+        seed: raw.seed.map(|s| s as u64),
+    };
+
+    let stop = match raw.stop {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(items)) => items
+            .into_iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s),
+                _ => Err(ApiError::invalid("stop", "'stop' must be a string or an array of strings")),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(ApiError::invalid("stop", "'stop' must be a string or an array of strings")),
+    };
+    if stop.len() > MAX_STOP || stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", format!("'stop' takes at most {MAX_STOP} non-empty strings")));
+    }
+
+    Ok(Job {
+        endpoint,
+        model: raw.model,
+        input,
+        n,
+        stream: raw.stream.unwrap_or(false),
+        include_usage: raw.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        params: GenerationParams {
+            sampling,
+            max_tokens,
+            stop,
+            stop_token_ids: raw.stop_token_ids.unwrap_or_default(),
+            ignore_eos: raw.ignore_eos.unwrap_or(false),
+        },
+        user: raw.user,
+    })
+}
+
+fn unsupported(bad: bool, param: &str, message: &str) -> Result<(), ApiError> {
+    if bad { Err(ApiError::invalid(param, message)) } else { Ok(()) }
+}
+
+/// `lo <= x <= hi`, or `lo < x <= hi` when the low end is open. NaN is never in range.
+fn in_range(x: Option<f32>, param: &str, lo: f32, hi: f32, lo_closed: bool) -> Result<Option<f32>, ApiError> {
+    match x {
+        Some(v) if !((if lo_closed { v >= lo } else { v > lo }) && v <= hi) => {
+            let open = if lo_closed { "[" } else { "(" };
+            Err(ApiError::invalid(param, format!("'{param}' must be in {open}{lo}, {hi}], got {v}")))
+        }
+        other => Ok(other),
+    }
+}
+
+fn logit_bias(raw: HashMap<String, f32>) -> Result<HashMap<u32, f32>, ApiError> {
+    raw.into_iter()
+        .map(|(k, v)| {
+            let id = k.parse::<u32>().map_err(|_| {
+                ApiError::invalid("logit_bias", format!("'logit_bias' keys must be token ids, got {k:?}"))
+            })?;
+            if !(-100.0..=100.0).contains(&v) {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("'logit_bias' values must be in [-100, 100], got {v}"),
+                ));
+            }
+            Ok((id, v))
+        })
+        .collect()
+}
+
+fn chat_messages(raw: Vec<RawMessage>) -> Result<Vec<ChatMessage>, ApiError> {
+    if raw.is_empty() {
+        return Err(ApiError::invalid("messages", "'messages' must contain at least one message"));
+    }
+    raw.into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let param = || format!("messages[{i}]");
+            let role = match m.role.as_str() {
+                "system" | "user" | "assistant" | "tool" => m.role,
+                // OpenAI's newer name for the system role.
+                "developer" => "system".to_string(),
+                other => {
+                    return Err(ApiError::invalid(
+                        format!("{}.role", param()),
+                        format!("unknown role {other:?} (expected system, developer, user, assistant or tool)"),
+                    ));
+                }
+            };
+            let content = match m.content {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s,
+                Some(Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for part in parts {
+                        match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                            (Some("text"), Some(t)) => text.push_str(t),
+                            _ => {
+                                return Err(ApiError::invalid(
+                                    format!("{}.content", param()),
+                                    "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                                ));
+                            }
+                        }
+                    }
+                    text
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        format!("{}.content", param()),
+                        "'content' must be a string or an array of content parts",
+                    ));
+                }
+            };
+            Ok(ChatMessage { role, content })
+        })
+        .collect()
+}
+
+fn prompts(raw: Value) -> Result<Vec<Prompt>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "prompt",
+            "'prompt' must be a string, an array of strings, an array of token ids, or an array of arrays of token ids",
+        )
+    };
+    let token = |v: &Value| v.as_u64().and_then(|t| u32::try_from(t).ok());
+    let tokens = |items: &[Value]| items.iter().map(token).collect::<Option<Vec<u32>>>();
+    let out = match raw {
+        Value::String(s) => vec![Prompt::Text(s)],
+        Value::Array(items) if items.is_empty() => return Err(ApiError::invalid("prompt", "'prompt' is empty")),
+        Value::Array(items) => match &items[0] {
+            Value::String(_) => items
+                .into_iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(Prompt::Text(s)),
+                    _ => Err(bad()),
+                })
+                .collect::<Result<_, _>>()?,
+            Value::Number(_) => vec![Prompt::Tokens(tokens(&items).ok_or_else(bad)?)],
+            Value::Array(_) => items
+                .iter()
+                .map(|v| v.as_array().and_then(|a| tokens(a)).map(Prompt::Tokens).ok_or_else(bad))
+                .collect::<Result<_, _>>()?,
+            _ => return Err(bad()),
+        },
+        _ => return Err(bad()),
+    };
+    if out.iter().any(|p| matches!(p, Prompt::Tokens(t) if t.is_empty())) {
+        return Err(ApiError::invalid("prompt", "a token-id prompt must not be empty"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<Job, ApiError> {
+        parse(Endpoint::ChatCompletions, body.as_bytes())
+    }
+
+    fn param_of(e: ApiError) -> Option<String> {
+        match e {
+            ApiError::InvalidRequest { param, .. } => param,
+            other => panic!("not an invalid-request error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_minimal_chat_request_takes_the_defaults() {
+        let job = chat(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        assert_eq!(job.n, 1);
+        assert!(!job.stream);
+        assert_eq!(job.params.max_tokens, None);
+        assert_eq!(job.params.sampling, pb::SamplingParams::default());
+        assert_eq!(job.input, Input::Chat(vec![ChatMessage { role: "user".into(), content: "hi".into() }]));
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_but_wrong_types_name_their_parameter() {
+        assert!(chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"frobnicate":1}"#).is_ok());
+        let e = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#).unwrap_err();
+        assert_eq!(param_of(e), Some("temperature".into()));
+        let e = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":-5}"#).unwrap_err();
+        assert_eq!(param_of(e), Some("max_tokens".into()));
+    }
+
+    #[test]
+    fn out_of_range_sampling_parameters_are_refused_not_clamped() {
+        for (field, value) in [
+            ("temperature", "2.5"),
+            ("top_p", "0"),
+            ("min_p", "1.5"),
+            ("presence_penalty", "-3"),
+            ("frequency_penalty", "9"),
+            ("repetition_penalty", "0"),
+            ("top_k", "-2"),
+            ("n", "0"),
+            ("max_tokens", "0"),
+        ] {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"{field}":{value}}}"#);
+            let e = chat(&body).unwrap_err();
+            assert_eq!(param_of(e), Some(field.to_string()), "{field}={value}");
+        }
+    }
+
+    #[test]
+    fn malformed_json_is_a_400_without_a_parameter() {
+        let e = chat(r#"{"model":"m","messages":[{"role""#).unwrap_err();
+        assert_eq!(e.status(), axum::http::StatusCode::BAD_REQUEST);
+        assert_eq!(param_of(e), None);
+    }
+
+    #[test]
+    fn max_completion_tokens_wins_over_max_tokens() {
+        let job = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":5,"max_completion_tokens":7}"#,
+        )
+        .unwrap();
+        assert_eq!(job.params.max_tokens, Some(7));
+    }
+
+    #[test]
+    fn completions_take_every_prompt_shape() {
+        let p = |body: &str| parse(Endpoint::Completions, body.as_bytes()).map(|j| j.input);
+        assert_eq!(p(r#"{"model":"m","prompt":"a"}"#).unwrap(), Input::Prompts(vec![Prompt::Text("a".into())]));
+        assert_eq!(
+            p(r#"{"model":"m","prompt":["a","b"]}"#).unwrap(),
+            Input::Prompts(vec![Prompt::Text("a".into()), Prompt::Text("b".into())])
+        );
+        assert_eq!(p(r#"{"model":"m","prompt":[1,2]}"#).unwrap(), Input::Prompts(vec![Prompt::Tokens(vec![1, 2])]));
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[[1],[2,3]]}"#).unwrap(),
+            Input::Prompts(vec![Prompt::Tokens(vec![1]), Prompt::Tokens(vec![2, 3])])
+        );
+        assert!(p(r#"{"model":"m","prompt":[1,"a"]}"#).is_err());
+        assert!(p(r#"{"model":"m","prompt":{}}"#).is_err());
+        assert!(p(r#"{"model":"m"}"#).is_err());
+    }
+
+    #[test]
+    fn text_content_parts_are_joined_and_images_refused() {
+        let job = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#)
+            .unwrap();
+        assert_eq!(job.input, Input::Chat(vec![ChatMessage { role: "user".into(), content: "ab".into() }]));
+        let e = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#)
+            .unwrap_err();
+        assert_eq!(param_of(e), Some("messages[0].content".into()));
+    }
+
+    #[test]
+    fn logit_bias_keys_must_be_token_ids() {
+        let e = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"logit_bias":{"abc":1}}"#).unwrap_err();
+        assert_eq!(param_of(e), Some("logit_bias".into()));
+        let job = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"logit_bias":{"42":-100}}"#).unwrap();
+        assert_eq!(job.params.sampling.logit_bias.get(&42), Some(&-100.0));
+    }
+}

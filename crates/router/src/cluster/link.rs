@@ -1,0 +1,272 @@
+//! The router's connection to one worker: its gRPC channel, its latest load report, and the
+//! requests this router sent there that the reports do not show yet.
+//!
+//! A link is *placeable* only while its WatchLoad stream is alive and the worker is not
+//! draining: the stream is the router's only view of the worker, so a worker it cannot see is a
+//! worker it does not use. A stream that breaks, or stays silent past [`REPORT_SILENCE`], takes
+//! the worker out of placement at once and forgets its cached blocks; the link reconnects in the
+//! background and the worker's next snapshot restores them.
+
+use std::{
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
+use tokio::task::JoinHandle;
+use tonic::transport::{Channel, Endpoint};
+
+use super::{Cluster, WorkerId};
+
+/// Workers report at least every 250 ms; a stream silent this long is treated as broken.
+pub const REPORT_SILENCE: Duration = Duration::from_secs(3);
+/// How long a dead worker's reconnect attempts wait, at most.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// Reports after its acceptance by which a request surely shows in the worker's own counts.
+/// One report may already be in flight when the worker enqueues it; the next one includes it.
+const REPORTS_UNTIL_REFLECTED: u64 = 2;
+
+/// A worker's load as placement and admission see it: the worker's last report plus what this
+/// router sent since that the report cannot show.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Load {
+    pub waiting_requests: u32,
+    pub waiting_tokens: u64,
+    pub running: u32,
+    pub max_running: u32,
+    pub prefill_tokens_per_s: f64,
+}
+
+/// A request sent to the worker that its reports may not count yet.
+#[derive(Debug)]
+struct Pending {
+    id: u64,
+    prompt_tokens: u32,
+    /// Reflected once a report with this sequence number arrives; `None` while the Generate
+    /// call has not been accepted.
+    reflected_at: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+struct LinkState {
+    /// The load stream is up and the worker is not draining.
+    placeable: bool,
+    report: pb::LoadReport,
+    pending: Vec<Pending>,
+    /// From the worker's ModelInfo.
+    context_length: u32,
+}
+
+pub struct WorkerLink {
+    pub id: WorkerId,
+    pub node_id: String,
+    pub address: String,
+    client: WorkerClient<Channel>,
+    state: Mutex<LinkState>,
+    next_pending: AtomicU64,
+    closed: AtomicBool,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for WorkerLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerLink").field("id", &self.id).field("node_id", &self.node_id).finish()
+    }
+}
+
+impl WorkerLink {
+    /// A link to `address` (host:port) that maintains itself until [`WorkerLink::close`].
+    pub(super) fn spawn(
+        id: WorkerId,
+        node_id: &str,
+        address: &str,
+        cluster: Weak<Cluster>,
+    ) -> anyhow::Result<Arc<Self>> {
+        let endpoint = Endpoint::from_shared(format!("http://{address}"))?
+            .connect_timeout(Duration::from_secs(1))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5));
+        let link = Arc::new(WorkerLink {
+            id,
+            node_id: node_id.to_string(),
+            address: address.to_string(),
+            client: WorkerClient::new(endpoint.connect_lazy()),
+            state: Mutex::new(LinkState::default()),
+            next_pending: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+            task: Mutex::new(None),
+        });
+        let task = tokio::spawn(maintain(Arc::downgrade(&link), cluster));
+        *link.task.lock().expect("link task lock") = Some(task);
+        Ok(link)
+    }
+
+    /// Stop the background task (the worker left).
+    pub(super) fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        if let Some(task) = self.task.lock().expect("link task lock").take() {
+            task.abort();
+        }
+        self.state.lock().expect("link state lock").placeable = false;
+    }
+
+    pub(super) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    pub fn client(&self) -> WorkerClient<Channel> {
+        self.client.clone()
+    }
+
+    /// The worker's load, or `None` when it must not be given work.
+    pub fn load(&self) -> Option<Load> {
+        let s = self.state.lock().expect("link state lock");
+        if !s.placeable {
+            return None;
+        }
+        Some(Load {
+            waiting_requests: s.report.waiting_requests + s.pending.len() as u32,
+            waiting_tokens: s.report.waiting_prompt_tokens
+                + s.pending.iter().map(|p| u64::from(p.prompt_tokens)).sum::<u64>(),
+            running: s.report.running_requests,
+            max_running: s.report.max_running,
+            prefill_tokens_per_s: s.report.prefill_tokens_per_s,
+        })
+    }
+
+    pub fn context_length(&self) -> u32 {
+        self.state.lock().expect("link state lock").context_length
+    }
+
+    /// Count a request as waiting here until the worker's reports show it (or it starts).
+    pub fn dispatch(self: &Arc<Self>, prompt_tokens: usize) -> Dispatched {
+        let id = self.next_pending.fetch_add(1, Ordering::Relaxed);
+        let prompt_tokens = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
+        self.state.lock().expect("link state lock").pending.push(Pending { id, prompt_tokens, reflected_at: None });
+        Dispatched { link: self.clone(), id }
+    }
+
+    fn apply_report(&self, report: pb::LoadReport, first: bool) {
+        let mut s = self.state.lock().expect("link state lock");
+        let seq = report.sequence;
+        if first {
+            // A new stream numbers its reports afresh.
+            for p in s.pending.iter_mut().filter(|p| p.reflected_at.is_some()) {
+                p.reflected_at = Some(seq + REPORTS_UNTIL_REFLECTED);
+            }
+        } else {
+            s.pending.retain(|p| p.reflected_at.is_none_or(|r| r > seq));
+        }
+        s.placeable = !report.draining;
+        s.report = report;
+    }
+
+    fn set_unplaceable(&self) {
+        self.state.lock().expect("link state lock").placeable = false;
+    }
+}
+
+/// A request counted in its worker's [`Load`] until the worker's reports show it. Dropping it
+/// (first token, failure, cancel) stops counting it.
+pub struct Dispatched {
+    link: Arc<WorkerLink>,
+    id: u64,
+}
+
+impl Dispatched {
+    /// The worker accepted the request (its stream opened): the next reports will count it.
+    pub fn accepted(&self) {
+        let mut s = self.link.state.lock().expect("link state lock");
+        let at = s.report.sequence + REPORTS_UNTIL_REFLECTED;
+        if let Some(p) = s.pending.iter_mut().find(|p| p.id == self.id) {
+            p.reflected_at = Some(at);
+        }
+    }
+}
+
+impl Drop for Dispatched {
+    fn drop(&mut self) {
+        let mut s = self.link.state.lock().expect("link state lock");
+        s.pending.retain(|p| p.id != self.id);
+    }
+}
+
+/// Keep the link alive: fetch ModelInfo, join the model's pool, follow WatchLoad; on any
+/// failure stop placing there, back off, and start over.
+async fn maintain(link: Weak<WorkerLink>, cluster: Weak<Cluster>) {
+    let mut backoff = Duration::from_millis(50);
+    let mut failures = 0u32;
+    loop {
+        let (Some(l), Some(c)) = (link.upgrade(), cluster.upgrade()) else { return };
+        let mut was_up = false;
+        let outcome = session(&l, &c, &mut backoff, &mut was_up).await;
+        l.set_unplaceable();
+        c.forget_blocks(&l);
+        failures = if was_up { 1 } else { failures + 1 };
+        if let Err(e) = outcome {
+            // A link that was up going down is news; a worker still starting (loading its
+            // model) is retried quietly after the first message.
+            if was_up {
+                tracing::warn!(worker = %l.node_id, address = %l.address, "worker link down: {e:#}");
+            } else if failures == 1 {
+                tracing::info!(worker = %l.node_id, address = %l.address, "waiting for the worker: {e:#}");
+            } else {
+                tracing::debug!(worker = %l.node_id, address = %l.address, "worker still unavailable: {e:#}");
+            }
+        }
+        drop((l, c));
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+async fn session(
+    link: &Arc<WorkerLink>,
+    cluster: &Arc<Cluster>,
+    backoff: &mut Duration,
+    was_up: &mut bool,
+) -> anyhow::Result<()> {
+    let mut client = link.client();
+    let info = client.model_info(pb::ModelInfoRequest {}).await?.into_inner();
+    link.state.lock().expect("link state lock").context_length = info.context_length;
+    let pool = cluster.attach(link, &info)?;
+    let mut stream = client.watch_load(pb::WatchLoadRequest {}).await?.into_inner();
+    let mut first = true;
+    loop {
+        let msg = match tokio::time::timeout(REPORT_SILENCE, stream.message()).await {
+            Err(_) => anyhow::bail!("no load report for {REPORT_SILENCE:?}"),
+            Ok(Err(status)) => anyhow::bail!("load stream failed: {}", status.message()),
+            Ok(Ok(None)) => anyhow::bail!("load stream ended"),
+            Ok(Ok(Some(msg))) => msg,
+        };
+        {
+            let mut index = pool.index.lock().expect("prefix index lock");
+            if let Some(snapshot) = &msg.kv_snapshot {
+                index.forget_worker(link.id);
+                for &h in &snapshot.block_hashes {
+                    index.stored(link.id, h);
+                }
+            }
+            for event in &msg.kv_events {
+                match event.kind {
+                    Some(pb::kv_event::Kind::Stored(h)) => index.stored(link.id, h),
+                    Some(pb::kv_event::Kind::Evicted(h)) => index.evicted(link.id, h),
+                    None => {}
+                }
+            }
+        }
+        if let Some(report) = msg.load {
+            link.apply_report(report, first);
+            if first {
+                tracing::info!(worker = %link.node_id, address = %link.address, model = %pool.name, "worker link up");
+                *backoff = Duration::from_millis(50);
+                *was_up = true;
+                first = false;
+            }
+        }
+    }
+}

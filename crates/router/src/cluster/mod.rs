@@ -1,0 +1,155 @@
+//! The router's view of the cluster: which workers exist (from etcd or a static list), which
+//! model each serves, and the links that follow their load.
+//!
+//! Membership changes only through [`Cluster::join`] and [`Cluster::leave`]; a worker's model
+//! is learnt from its own ModelInfo, not trusted from etcd, so a pool's tokenizer and hashing
+//! always come from a worker that really serves it.
+
+pub mod discovery;
+pub mod link;
+pub mod pool;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use bellows_proto::worker::v1 as pb;
+
+pub use link::{Dispatched, Load, WorkerLink};
+pub use pool::ModelPool;
+
+/// A link's identity: never reused, so state keyed by it cannot leak to a later worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(pub u64);
+
+/// Requests waiting for a worker across the cluster, for admission.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct QueueView {
+    pub waiting_requests: u64,
+    pub waiting_tokens: u64,
+    /// Summed recent prefill rate of the placeable workers.
+    pub prefill_tokens_per_s: f64,
+}
+
+#[derive(Default)]
+pub struct Cluster {
+    next_id: AtomicU64,
+    /// By node id.
+    links: RwLock<HashMap<String, Arc<WorkerLink>>>,
+    /// By model name.
+    models: RwLock<HashMap<String, Arc<ModelPool>>>,
+}
+
+impl Cluster {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Cluster::default())
+    }
+
+    /// A worker joined (or moved to a new address).
+    pub fn join(self: &Arc<Self>, node_id: &str, address: &str) {
+        let mut links = self.links.write().expect("links lock");
+        if links.get(node_id).is_some_and(|l| l.address == address) {
+            return;
+        }
+        let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        match WorkerLink::spawn(id, node_id, address, Arc::downgrade(self)) {
+            Ok(link) => {
+                tracing::info!(worker = node_id, address, "worker joined");
+                if let Some(old) = links.insert(node_id.to_string(), link) {
+                    self.detach(&old);
+                }
+            }
+            Err(e) => tracing::error!(worker = node_id, address, "cannot reach worker at this address: {e:#}"),
+        }
+    }
+
+    /// A worker left: stop placing there at once.
+    pub fn leave(&self, node_id: &str) {
+        let removed = self.links.write().expect("links lock").remove(node_id);
+        if let Some(link) = removed {
+            tracing::info!(worker = node_id, "worker left");
+            self.detach(&link);
+        }
+    }
+
+    /// Node ids currently known.
+    pub fn node_ids(&self) -> Vec<String> {
+        self.links.read().expect("links lock").keys().cloned().collect()
+    }
+
+    fn detach(&self, link: &Arc<WorkerLink>) {
+        link.close();
+        let mut models = self.models.write().expect("models lock");
+        models.retain(|_, pool| !pool.remove(link));
+    }
+
+    /// Called by a link once its worker described its model: the pool it serves in.
+    pub(crate) fn attach(
+        &self,
+        link: &Arc<WorkerLink>,
+        info: &pb::ModelInfoResponse,
+    ) -> anyhow::Result<Arc<ModelPool>> {
+        let mut models = self.models.write().expect("models lock");
+        // A link closed meanwhile must not come back into a pool. `detach` closes the link
+        // before it takes this lock, so one of the two always sees the other.
+        anyhow::ensure!(!link.is_closed(), "worker {} left", link.node_id);
+        let pool = match models.get(&info.model_id) {
+            Some(pool) => {
+                pool.check_compatible(info)?;
+                pool.clone()
+            }
+            None => {
+                let pool = Arc::new(ModelPool::new(info)?);
+                models.insert(info.model_id.clone(), pool.clone());
+                pool
+            }
+        };
+        pool.add(link);
+        Ok(pool)
+    }
+
+    /// A link lost its load stream: its cached blocks are unknown until it reconnects.
+    pub(crate) fn forget_blocks(&self, link: &WorkerLink) {
+        let models = self.models.read().expect("models lock");
+        for pool in models.values() {
+            pool.index.lock().expect("prefix index lock").forget_worker(link.id);
+        }
+    }
+
+    pub fn model(&self, name: &str) -> Option<Arc<ModelPool>> {
+        self.models.read().expect("models lock").get(name).cloned()
+    }
+
+    pub fn models(&self) -> Vec<Arc<ModelPool>> {
+        let mut m: Vec<_> = self.models.read().expect("models lock").values().cloned().collect();
+        m.sort_by(|a, b| a.name.cmp(&b.name));
+        m
+    }
+
+    /// Workers that can take work now.
+    pub fn placeable_workers(&self) -> usize {
+        self.links.read().expect("links lock").values().filter(|l| l.load().is_some()).count()
+    }
+
+    /// At least one model has a worker that can take work.
+    pub fn ready(&self) -> bool {
+        self.models.read().expect("models lock").values().any(|p| p.has_placeable_worker())
+    }
+
+    /// The cluster-wide queue: every placeable worker's reported waiting work plus what this
+    /// router sent that the reports do not show yet.
+    pub fn queue(&self) -> QueueView {
+        let links = self.links.read().expect("links lock");
+        let mut q = QueueView::default();
+        for load in links.values().filter_map(|l| l.load()) {
+            q.waiting_requests += u64::from(load.waiting_requests);
+            q.waiting_tokens += load.waiting_tokens;
+            q.prefill_tokens_per_s += load.prefill_tokens_per_s;
+        }
+        q
+    }
+}

@@ -1,0 +1,87 @@
+//! The workers of one model, and what they share: the tokenizer, the prefix-hash geometry and
+//! the index of which worker holds which block.
+
+use std::sync::{Arc, Mutex, RwLock};
+
+use bellows_common::prefix_hash::{BlockHash, ChainRoot, prefix_block_hashes};
+use bellows_proto::worker::v1 as pb;
+
+use super::link::WorkerLink;
+use crate::{placement::prefix_index::PrefixIndex, tokenize::PromptTokenizer};
+
+pub struct ModelPool {
+    pub name: String,
+    pub tokenizer: Arc<PromptTokenizer>,
+    pub block_size: usize,
+    pub vocab_size: u32,
+    workers: RwLock<Vec<Arc<WorkerLink>>>,
+    pub index: Mutex<PrefixIndex>,
+}
+
+impl ModelPool {
+    pub(super) fn new(info: &pb::ModelInfoResponse) -> anyhow::Result<Self> {
+        anyhow::ensure!(info.kv_block_size > 0, "worker reports a KV block size of 0");
+        Ok(ModelPool {
+            name: info.model_id.clone(),
+            tokenizer: Arc::new(PromptTokenizer::from_model_info(info)?),
+            block_size: info.kv_block_size as usize,
+            vocab_size: info.vocab_size,
+            workers: RwLock::new(Vec::new()),
+            index: Mutex::new(PrefixIndex::default()),
+        })
+    }
+
+    /// Whether a worker describing itself with `info` can serve in this pool: same hashing
+    /// geometry and vocabulary, or placement and tokenization would be wrong for it.
+    pub(super) fn check_compatible(&self, info: &pb::ModelInfoResponse) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            info.kv_block_size as usize == self.block_size && info.vocab_size == self.vocab_size,
+            "worker serves model {:?} with block size {} and vocabulary {}, but the pool has {} and {}",
+            info.model_id,
+            info.kv_block_size,
+            info.vocab_size,
+            self.block_size,
+            self.vocab_size
+        );
+        Ok(())
+    }
+
+    pub(super) fn add(&self, link: &Arc<WorkerLink>) {
+        let mut w = self.workers.write().expect("pool lock");
+        if !w.iter().any(|l| l.id == link.id) {
+            w.push(link.clone());
+            w.sort_by_key(|l| l.id);
+        }
+    }
+
+    pub(super) fn remove(&self, link: &WorkerLink) -> bool {
+        let mut w = self.workers.write().expect("pool lock");
+        w.retain(|l| l.id != link.id);
+        self.index.lock().expect("prefix index lock").forget_worker(link.id);
+        w.is_empty()
+    }
+
+    /// Every worker of the model, placeable or not, in a stable order.
+    pub fn workers(&self) -> Vec<Arc<WorkerLink>> {
+        self.workers.read().expect("pool lock").clone()
+    }
+
+    /// Calls `f` with the workers, without copying the list.
+    pub fn with_workers<T>(&self, f: impl FnOnce(&[Arc<WorkerLink>]) -> T) -> T {
+        f(&self.workers.read().expect("pool lock"))
+    }
+
+    /// The longest prompt + completion every worker accepts (0 with no workers).
+    pub fn context_length(&self) -> usize {
+        self.with_workers(|w| w.iter().map(|l| l.context_length()).filter(|&c| c > 0).min().unwrap_or(0) as usize)
+    }
+
+    pub fn has_placeable_worker(&self) -> bool {
+        self.with_workers(|w| w.iter().any(|l| l.load().is_some()))
+    }
+
+    /// The block hashes of a prompt, as the model's workers will name its cached blocks.
+    pub fn block_hashes(&self, tokens: &[u32], cache_salt: Option<&str>) -> Vec<BlockHash> {
+        prefix_block_hashes(tokens, self.block_size, ChainRoot::for_model(&self.name, cache_salt))
+    }
+}

@@ -1,0 +1,238 @@
+//! Driving one choice of a request through the workers, surviving their failures.
+//!
+//! - Before the first token, a worker that refuses (queue full), is unreachable or fails is
+//!   replaced by another one, up to `--max-retries`, with the same request.
+//! - After it, a failed worker's stream continues on another worker: the prompt plus every
+//!   token generated so far is sent as the new prompt, for the tokens still allowed, up to
+//!   `--max-migrations`. The client sees one stream: same id, no text twice or missing. A greedy
+//!   request continues exactly as it would have (the new worker sees the same tokens); a
+//!   sampled one continues validly but not identically.
+//! - The client going away (the receiver dropped) ends the worker call, which cancels the
+//!   request on the worker and frees its KV blocks.
+//!
+//! Each choice runs as its own task and reports [`ChoiceEvent`]s through a channel.
+
+use std::{sync::Arc, time::Duration};
+
+use bellows_common::prefix_hash::BlockHash;
+use bellows_proto::worker::v1 as pb;
+use tokio::sync::mpsc;
+use tonic::Code;
+
+use crate::{
+    api::{
+        error::{ApiError, Overload},
+        request::GenerationParams,
+    },
+    cluster::{ModelPool, WorkerId},
+    metrics::{Metrics, PolicyLabels},
+    placement::{self, Policy, PromptShape},
+};
+
+/// What happens to one choice, in order: any number of `Text`, then one `Done` or `Failed`.
+#[derive(Debug)]
+pub enum ChoiceEvent {
+    Text { index: u32, text: String },
+    Done { index: u32, finish: pb::FinishReason, usage: pb::Usage },
+    Failed { index: u32, error: ApiError },
+}
+
+/// One choice to generate.
+pub struct Choice {
+    pub index: u32,
+    pub request_id: String,
+    pub prompt: Arc<Vec<u32>>,
+    pub hashes: Arc<Vec<BlockHash>>,
+    pub params: GenerationParams,
+    pub cache_salt: Option<String>,
+}
+
+pub struct Dispatcher {
+    pub policy: Box<dyn Policy>,
+    pub max_retries: u32,
+    pub max_migrations: u32,
+    pub worker_timeout: Duration,
+    pub placement_memory: Duration,
+    pub metrics: Arc<Metrics>,
+}
+
+/// How a worker's failure is handled.
+enum Failure {
+    /// Try another worker (counts against retries or migrations).
+    Retry(ApiError),
+    /// The request itself is at fault: tell the client.
+    Final(ApiError),
+}
+
+impl Dispatcher {
+    pub fn spawn(self: &Arc<Self>, pool: Arc<ModelPool>, choice: Choice, tx: mpsc::Sender<ChoiceEvent>) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let index = choice.index;
+            if let Err(error) = this.run(&pool, choice, &tx).await {
+                let _ = tx.send(ChoiceEvent::Failed { index, error }).await;
+            }
+        });
+    }
+
+    async fn run(&self, pool: &ModelPool, choice: Choice, tx: &mpsc::Sender<ChoiceEvent>) -> Result<(), ApiError> {
+        let index = choice.index;
+        let mut tried: Vec<WorkerId> = Vec::new();
+        let mut generated: Vec<u32> = Vec::new();
+        // Text sent to the client so far: on a migration, what the dead worker held back (an
+        // unfinished character, a possible stop string) is the difference to the tokens' text.
+        let mut sent = String::new();
+        let (mut retries, mut migrations) = (0u32, 0u32);
+        let mut last_error = ApiError::Overloaded { reason: Overload::NoWorkers, retry_after: Duration::from_secs(1) };
+        loop {
+            let (prompt, hashes) = if generated.is_empty() {
+                (choice.prompt.clone(), choice.hashes.clone())
+            } else {
+                let tokens: Vec<u32> = choice.prompt.iter().chain(&generated).copied().collect();
+                let hashes = pool.block_hashes(&tokens, choice.cache_salt.as_deref());
+                (Arc::new(tokens), Arc::new(hashes))
+            };
+            let shape = PromptShape { tokens: prompt.len(), block_size: pool.block_size, hashes: &hashes };
+            let Some(placed) = placement::place(pool, self.policy.as_ref(), shape, &tried, self.placement_memory)
+            else {
+                // Nobody left to try: the last worker's error, or "no workers" if none was tried.
+                return Err(last_error);
+            };
+            self.metrics.placements.get_or_create(&PolicyLabels { policy: self.policy.kind().as_str() }).inc();
+            if generated.is_empty() {
+                self.metrics.prompt_tokens.inc_by(prompt.len() as u64);
+                self.metrics.predicted_cached_tokens.inc_by((placed.cached_blocks * pool.block_size) as u64);
+            }
+            let worker = placed.worker;
+            tried.push(worker.id);
+
+            let request = pb::GenerateRequest {
+                request_id: format!("{}-{index}", choice.request_id),
+                prompt_token_ids: prompt.to_vec(),
+                sampling: Some(choice.params.sampling.clone()),
+                max_tokens: choice.params.max_tokens.map(|m| m - generated.len() as u32),
+                stop: choice.params.stop.clone(),
+                stop_token_ids: choice.params.stop_token_ids.clone(),
+                ignore_eos: choice.params.ignore_eos,
+                cache_salt: choice.cache_salt.clone(),
+            };
+            let mut pending = Some(worker.dispatch(prompt.len()));
+            let mut client = worker.client();
+            let opened = tokio::select! {
+                r = tokio::time::timeout(self.worker_timeout, client.generate(request)) => r,
+                _ = tx.closed() => return Ok(()),
+            };
+            let failure = match opened {
+                Err(_) => Failure::Retry(ApiError::WorkerTimeout),
+                Ok(Err(status)) => classify(&status),
+                Ok(Ok(response)) => {
+                    if let Some(p) = &pending {
+                        p.accepted();
+                    }
+                    let mut stream = response.into_inner();
+                    loop {
+                        let message = tokio::select! {
+                            m = stream.message() => m,
+                            _ = tx.closed() => return Ok(()),
+                        };
+                        match message {
+                            Ok(Some(pb::GenerateResponse {
+                                kind: Some(pb::generate_response::Kind::Delta(delta)),
+                            })) => {
+                                // Started: no longer waiting, whatever the reports say.
+                                pending = None;
+                                generated.extend_from_slice(&delta.token_ids);
+                                if !delta.text.is_empty() {
+                                    sent.push_str(&delta.text);
+                                    if tx.send(ChoiceEvent::Text { index, text: delta.text }).await.is_err() {
+                                        return Ok(());
+                                    }
+                                }
+                            }
+                            Ok(Some(pb::GenerateResponse { kind: Some(pb::generate_response::Kind::Finished(f)) })) => {
+                                let reported = f.usage.unwrap_or_default();
+                                let usage = pb::Usage {
+                                    prompt_tokens: choice.prompt.len() as u32,
+                                    completion_tokens: generated.len() as u32,
+                                    cached_prompt_tokens: reported.cached_prompt_tokens.min(choice.prompt.len() as u32),
+                                };
+                                self.metrics.completion_tokens.inc_by(u64::from(usage.completion_tokens));
+                                self.metrics.cached_tokens.inc_by(u64::from(usage.cached_prompt_tokens));
+                                let finish = pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Stop);
+                                let _ = tx.send(ChoiceEvent::Done { index, finish, usage }).await;
+                                return Ok(());
+                            }
+                            Ok(Some(_)) => {}
+                            Ok(None) => break Failure::Retry(ApiError::WorkerFailed("stream ended early".into())),
+                            Err(status) => break classify(&status),
+                        }
+                    }
+                }
+            };
+            drop(pending);
+            let error = match failure {
+                Failure::Final(e) => return Err(e),
+                Failure::Retry(e) => e,
+            };
+            tracing::warn!(worker = %worker.node_id, generated = generated.len(), "worker attempt failed: {error}");
+            if generated.is_empty() {
+                retries += 1;
+                if retries > self.max_retries {
+                    return Err(error);
+                }
+                self.metrics.retries.inc();
+            } else {
+                migrations += 1;
+                if migrations > self.max_migrations {
+                    return Err(error);
+                }
+                self.metrics.migrations.inc();
+                if choice.params.max_tokens.is_some_and(|m| generated.len() as u32 >= m) {
+                    // Everything asked for was generated; only the Finished message was lost.
+                    let usage = pb::Usage {
+                        prompt_tokens: choice.prompt.len() as u32,
+                        completion_tokens: generated.len() as u32,
+                        cached_prompt_tokens: 0,
+                    };
+                    let _ = tx.send(ChoiceEvent::Done { index, finish: pb::FinishReason::Length, usage }).await;
+                    return Ok(());
+                }
+                if let Some(held) = held_back(pool, &generated, &sent) {
+                    sent.push_str(&held);
+                    if tx.send(ChoiceEvent::Text { index, text: held }).await.is_err() {
+                        return Ok(());
+                    }
+                }
+            }
+            last_error = error;
+        }
+    }
+}
+
+/// Text of the generated tokens that the failed worker had not sent yet, when it is whole
+/// (not ending in a cut character).
+fn held_back(pool: &ModelPool, generated: &[u32], sent: &str) -> Option<String> {
+    let full = pool.tokenizer.decode(generated)?;
+    let rest = full.strip_prefix(sent)?;
+    (!rest.is_empty() && !rest.contains('\u{FFFD}')).then(|| rest.to_string())
+}
+
+/// Map a worker's gRPC status to what the router does about it.
+fn classify(status: &tonic::Status) -> Failure {
+    match status.code() {
+        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
+            Failure::Final(ApiError::InvalidRequest { message: status.message().to_string(), param: None })
+        }
+        Code::ResourceExhausted => {
+            let retry_after = status
+                .metadata()
+                .get("retry-after-ms")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok())
+                .map_or(Duration::from_secs(1), Duration::from_millis);
+            Failure::Retry(ApiError::Overloaded { reason: Overload::WorkersBusy, retry_after })
+        }
+        Code::DeadlineExceeded => Failure::Retry(ApiError::WorkerTimeout),
+        _ => Failure::Retry(ApiError::WorkerFailed(format!("{:?}: {}", status.code(), status.message()))),
+    }
+}

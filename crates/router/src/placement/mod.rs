@@ -1,0 +1,181 @@
+//! Placement: which worker serves a request.
+//!
+//! Each policy is one file behind [`Policy`]; how a worker's load and cache turn into a number
+//! is decided once, in [`score`], so policies differ only in which parts of the score they use
+//! and how they pick. [`place`] gathers the candidates (placeable workers not yet tried by this
+//! request), asks the policy, and remembers the choice in the prefix index.
+
+pub mod cache_aware;
+pub mod least_load;
+pub mod power_of_two;
+pub mod prefix_index;
+pub mod round_robin;
+pub mod score;
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use bellows_common::prefix_hash::BlockHash;
+
+use crate::{
+    args::PolicyKind,
+    cluster::{Load, ModelPool, WorkerId, WorkerLink},
+};
+
+/// A worker that could take the request.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub worker: WorkerId,
+    pub load: Load,
+    /// Leading prompt blocks the worker holds (0 unless the policy asks for prefix matching).
+    pub cached_blocks: usize,
+}
+
+/// What placement needs to know about the prompt.
+#[derive(Debug, Clone, Copy)]
+pub struct PromptShape<'a> {
+    pub tokens: usize,
+    pub block_size: usize,
+    pub hashes: &'a [BlockHash],
+}
+
+pub trait Policy: Send + Sync {
+    fn kind(&self) -> PolicyKind;
+
+    /// Whether [`Candidate::cached_blocks`] must be filled in (it costs an index lookup).
+    fn uses_prefix_cache(&self) -> bool {
+        false
+    }
+
+    /// The index of the chosen candidate; `candidates` is never empty.
+    fn choose(&self, candidates: &[Candidate], prompt: PromptShape<'_>) -> usize;
+}
+
+pub fn policy(kind: PolicyKind) -> Box<dyn Policy> {
+    match kind {
+        PolicyKind::CacheAware => Box::new(cache_aware::CacheAware::default()),
+        PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin::default()),
+        PolicyKind::LeastLoad => Box::new(least_load::LeastLoad::default()),
+        PolicyKind::PowerOfTwo => Box::new(power_of_two::PowerOfTwo),
+    }
+}
+
+/// The outcome of a placement.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    pub worker: Arc<WorkerLink>,
+    pub cached_blocks: usize,
+    pub candidates: usize,
+}
+
+/// Choose a worker of `pool` for a prompt, skipping `exclude` (workers this request already
+/// tried). `None`: no placeable worker.
+pub fn place(
+    pool: &ModelPool,
+    policy: &dyn Policy,
+    prompt: PromptShape<'_>,
+    exclude: &[WorkerId],
+    memory: Duration,
+) -> Option<Placement> {
+    let (links, mut candidates): (Vec<Arc<WorkerLink>>, Vec<Candidate>) = pool.with_workers(|workers| {
+        workers
+            .iter()
+            .filter(|w| !exclude.contains(&w.id))
+            .filter_map(|w| w.load().map(|load| (w.clone(), Candidate { worker: w.id, load, cached_blocks: 0 })))
+            .unzip()
+    });
+    if candidates.is_empty() {
+        return None;
+    }
+    let now = Instant::now();
+    if policy.uses_prefix_cache() && !prompt.hashes.is_empty() {
+        let ids: Vec<WorkerId> = candidates.iter().map(|c| c.worker).collect();
+        let mut matched = Vec::with_capacity(ids.len());
+        pool.index.lock().expect("prefix index lock").leading_matches(prompt.hashes, &ids, now, &mut matched);
+        for (c, m) in candidates.iter_mut().zip(matched) {
+            c.cached_blocks = m;
+        }
+    }
+    let i = policy.choose(&candidates, prompt);
+    let chosen = &candidates[i];
+    if policy.uses_prefix_cache() && !prompt.hashes.is_empty() {
+        pool.index.lock().expect("prefix index lock").remember(chosen.worker, prompt.hashes, memory, now);
+    }
+    Some(Placement { worker: links[i].clone(), cached_blocks: chosen.cached_blocks, candidates: candidates.len() })
+}
+
+/// The candidate with the lowest `cost`; ties go to the first at or after `start` (rotating
+/// `start` spreads ties instead of piling them on the first worker).
+pub(crate) fn lowest(candidates: &[Candidate], start: usize, cost: impl Fn(&Candidate) -> f64) -> usize {
+    let n = candidates.len();
+    let mut best = start % n;
+    let mut best_cost = cost(&candidates[best]);
+    for k in 1..n {
+        let i = (start + k) % n;
+        let c = cost(&candidates[i]);
+        if c < best_cost {
+            best = i;
+            best_cost = c;
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(id: u64, waiting_tokens: u64, running: u32, cached_blocks: usize) -> Candidate {
+        Candidate {
+            worker: WorkerId(id),
+            load: Load { waiting_tokens, running, max_running: 64, ..Load::default() },
+            cached_blocks,
+        }
+    }
+
+    const PROMPT: PromptShape<'static> = PromptShape { tokens: 600, block_size: 16, hashes: &[] };
+
+    #[test]
+    fn cache_aware_prefers_the_worker_holding_the_prefix_when_queues_are_even() {
+        let p = policy(PolicyKind::CacheAware);
+        let c = [cand(0, 100, 2, 0), cand(1, 100, 2, 32), cand(2, 100, 2, 0)];
+        for _ in 0..5 {
+            assert_eq!(p.choose(&c, PROMPT), 1);
+        }
+    }
+
+    #[test]
+    fn load_wins_over_affinity_once_the_hot_queue_costs_more_than_a_cold_prefill() {
+        let p = policy(PolicyKind::CacheAware);
+        // Worker 1 holds 512 of the 600 tokens but has 2000 tokens queued; worker 0 is idle.
+        let c = [cand(0, 0, 0, 0), cand(1, 2000, 8, 32)];
+        assert_eq!(p.choose(&c, PROMPT), 0);
+        // With a short queue the cached worker still wins.
+        let c = [cand(0, 0, 0, 0), cand(1, 200, 2, 32)];
+        assert_eq!(p.choose(&c, PROMPT), 1);
+    }
+
+    #[test]
+    fn ties_are_spread_rather_than_piled_on_the_first_worker() {
+        for kind in [PolicyKind::CacheAware, PolicyKind::LeastLoad, PolicyKind::RoundRobin] {
+            let p = policy(kind);
+            let c = [cand(0, 0, 0, 0), cand(1, 0, 0, 0), cand(2, 0, 0, 0)];
+            let mut seen = [0; 3];
+            for _ in 0..30 {
+                seen[p.choose(&c, PROMPT)] += 1;
+            }
+            assert_eq!(seen, [10, 10, 10], "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn least_load_and_power_of_two_avoid_the_loaded_worker() {
+        let c = [cand(0, 5000, 10, 0), cand(1, 0, 0, 0)];
+        assert_eq!(policy(PolicyKind::LeastLoad).choose(&c, PROMPT), 1);
+        for _ in 0..20 {
+            assert_eq!(policy(PolicyKind::PowerOfTwo).choose(&c, PROMPT), 1, "with two workers both are drawn");
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! Prompt text to token ids, the way the model's workers would do it, off the async runtime.
+//!
+//! The router tokenizes (architecture.md): it needs exact token counts for context checks and
+//! rate limits, and the prompt's block hashes for placement. Tokenizing a long prompt takes
+//! milliseconds of CPU; on an async worker thread that would stall every other connection it
+//! serves, so it runs on a fixed pool of threads behind a bounded queue. When the queue is full
+//! the request is refused at once (503): an unbounded queue would only turn overload into
+//! timeouts, with memory growing all the while.
+
+use std::{
+    panic::AssertUnwindSafe,
+    sync::{
+        Arc, Mutex,
+        mpsc::{Receiver, SyncSender, TrySendError, sync_channel},
+    },
+};
+
+use anyhow::Context;
+use bellows_common::chat_template::{ChatMessage, ChatTemplate};
+use bellows_proto::worker::v1 as pb;
+use tokio::sync::oneshot;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::api::error::ApiError;
+
+type Task = Box<dyn FnOnce() + Send>;
+
+/// The tokenizer threads and their bounded queue.
+pub struct TokenizerPool {
+    tx: SyncSender<Task>,
+}
+
+/// Every thread is busy and the queue is full (or the pool is gone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolBusy;
+
+impl TokenizerPool {
+    pub fn new(threads: usize, queue: usize) -> Self {
+        let (tx, rx) = sync_channel::<Task>(queue);
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..threads.max(1) {
+            let rx = rx.clone();
+            std::thread::Builder::new()
+                .name(format!("tokenizer-{i}"))
+                .spawn(move || run_tasks(&rx))
+                .expect("spawning a tokenizer thread");
+        }
+        Self { tx }
+    }
+
+    /// Run `f` on a pool thread. It is queued (or refused, when the queue is full) at the call,
+    /// not when the returned future is first polled.
+    pub fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> impl Future<Output = Result<T, PoolBusy>> + 'static {
+        let (done, result) = oneshot::channel();
+        let task: Task = Box::new(move || {
+            // A panic (a tokenizer bug on odd input) fails this request only, not the thread.
+            if let Ok(v) = std::panic::catch_unwind(AssertUnwindSafe(f)) {
+                let _ = done.send(v);
+            }
+        });
+        let queued = match self.tx.try_send(task) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
+        };
+        async move {
+            if !queued {
+                return Err(PoolBusy);
+            }
+            result.await.map_err(|_| PoolBusy)
+        }
+    }
+}
+
+fn run_tasks(rx: &Mutex<Receiver<Task>>) {
+    loop {
+        let task = match rx.lock().expect("tokenizer queue lock").recv() {
+            Ok(task) => task,
+            Err(_) => return,
+        };
+        task();
+    }
+}
+
+/// A model's tokenizer and chat template, built from a worker's ModelInfo: one per model,
+/// shared by all its workers.
+pub enum PromptTokenizer {
+    /// The model's own tokenizer (tokenizer.json from the worker) and chat template.
+    Model { tokenizer: Box<tokenizers::Tokenizer>, template: Option<Box<ChatTemplate>> },
+    /// The simulated engine has no tokenizer: words become ids the way the simulated vocabulary
+    /// spells them (`t17` is token 17, so a sim completion fed back is the same tokens), and any
+    /// other word a hash into the vocabulary, so equal texts give equal tokens.
+    Sim { vocab_size: u32 },
+}
+
+impl PromptTokenizer {
+    pub fn from_model_info(info: &pb::ModelInfoResponse) -> anyhow::Result<Self> {
+        if info.tokenizer_json.is_empty() {
+            anyhow::ensure!(info.vocab_size > 1, "ModelInfo has neither a tokenizer nor a vocabulary size");
+            return Ok(PromptTokenizer::Sim { vocab_size: info.vocab_size });
+        }
+        let tokenizer = tokenizers::Tokenizer::from_bytes(&info.tokenizer_json)
+            .map_err(|e| anyhow::anyhow!("the worker's tokenizer.json does not load: {e}"))?;
+        let text = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i));
+        let bos = text(info.bos_token_id);
+        let eos = text(info.eos_token_ids.first().copied());
+        let template = info
+            .chat_template
+            .as_deref()
+            .map(|src| ChatTemplate::new(src, bos.as_deref(), eos.as_deref()).map(Box::new))
+            .transpose()
+            .context("the worker's chat template does not compile")?;
+        Ok(PromptTokenizer::Model { tokenizer: Box::new(tokenizer), template })
+    }
+
+    /// Render the conversation with the chat template (ending with the assistant's turn) and
+    /// tokenize it; the template writes any BOS itself.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+        match self {
+            PromptTokenizer::Model { template: Some(t), tokenizer } => {
+                let text = t.render(messages, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+                encode(tokenizer, &text, false)
+            }
+            PromptTokenizer::Model { template: None, .. } => {
+                Err(ApiError::invalid("messages", "this model has no chat template; use /v1/completions with a prompt"))
+            }
+            PromptTokenizer::Sim { vocab_size } => {
+                let text: String = messages.iter().map(|m| format!("{} {}\n", m.role, m.content)).collect();
+                Ok(sim_encode(&text, *vocab_size))
+            }
+        }
+    }
+
+    /// Tokenize a completion prompt, with BOS when the model wants one.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        match self {
+            PromptTokenizer::Model { tokenizer, .. } => encode(tokenizer, text, true),
+            PromptTokenizer::Sim { vocab_size } => Ok(sim_encode(text, *vocab_size)),
+        }
+    }
+
+    /// The text of generated tokens, as the worker would print it.
+    pub fn decode(&self, ids: &[u32]) -> Option<String> {
+        match self {
+            PromptTokenizer::Model { tokenizer, .. } => tokenizer.decode(ids, true).ok(),
+            PromptTokenizer::Sim { .. } => Some(ids.iter().filter(|&&i| i != 0).map(|i| format!(" t{i}")).collect()),
+        }
+    }
+}
+
+fn encode(tokenizer: &tokenizers::Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ApiError> {
+    tokenizer.encode_fast(text, add_special_tokens).map(|e| e.get_ids().to_vec()).map_err(|e| {
+        ApiError::InvalidRequest { message: format!("the prompt could not be tokenized: {e}"), param: None }
+    })
+}
+
+fn sim_encode(text: &str, vocab_size: u32) -> Vec<u32> {
+    text.split_whitespace()
+        .map(|word| {
+            match word.strip_prefix('t').and_then(|n| n.parse::<u32>().ok()) {
+                Some(id) if id > 0 && id < vocab_size => id,
+                // Never 0: that is the simulated EOS.
+                _ => 1 + (xxh3_64(word.as_bytes()) % u64::from(vocab_size - 1)) as u32,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_full_queue_refuses_at_once_instead_of_waiting() {
+        let pool = TokenizerPool::new(1, 1);
+        let (release, blocked) = std::sync::mpsc::channel::<()>();
+        let blocked = Mutex::new(blocked);
+        // One task occupies the thread, one fills the queue.
+        let running = tokio::spawn(pool.run(move || blocked.lock().unwrap().recv().ok()));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let queued = tokio::spawn(pool.run(|| 1));
+        assert_eq!(pool.run(|| 2).await, Err(PoolBusy));
+        release.send(()).unwrap();
+        assert!(running.await.unwrap().is_ok());
+        assert_eq!(queued.await.unwrap(), Ok(1));
+        assert_eq!(pool.run(|| 3).await, Ok(3), "the pool serves again once drained");
+    }
+
+    #[tokio::test]
+    async fn a_panicking_task_fails_alone_and_the_thread_survives() {
+        let pool = TokenizerPool::new(1, 4);
+        assert_eq!(pool.run(|| -> u32 { panic!("tokenizer bug") }).await, Err(PoolBusy));
+        assert_eq!(pool.run(|| 7).await, Ok(7));
+    }
+
+    #[test]
+    fn sim_tokens_round_trip_through_their_text() {
+        let t = PromptTokenizer::Sim { vocab_size: 1000 };
+        let text = t.decode(&[5, 17, 999]).unwrap();
+        assert_eq!(text, " t5 t17 t999");
+        assert_eq!(t.encode_text(&text).unwrap(), vec![5, 17, 999]);
+        let a = t.encode_text("hello world").unwrap();
+        assert_eq!(a, t.encode_text("hello  world").unwrap());
+        assert!(a.iter().all(|&i| i > 0 && i < 1000));
+    }
+}

@@ -1,0 +1,359 @@
+//! Harness for whole-cluster tests: a real etcd, real `bellows-worker` and `bellows-router`
+//! processes on free loopback ports, each in its own temp dir and killed on drop. Nothing is
+//! mocked: tests speak HTTP and gRPC to the binaries that ship.
+//!
+//! The binaries are found next to the test executable's directory (`target/<profile>/`), or in
+//! `BELLOWS_BIN_DIR`; `scripts/test.sh` builds them before the tests run.
+
+use std::{
+    fs::File,
+    path::PathBuf,
+    process::{Child, Command, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
+use tempfile::TempDir;
+use tonic::transport::Channel;
+use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+
+/// A port nothing listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Poll `f` until it returns `Some`, or fail with `what` after `limit`.
+pub async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out after {limit:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A Bellows binary built by cargo in the same profile as the running test.
+pub fn binary(name: &str) -> PathBuf {
+    let dir = match std::env::var_os("BELLOWS_BIN_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let exe = std::env::current_exe().expect("the test knows its path");
+            // target/<profile>/deps/<test> -> target/<profile>
+            exe.parent().and_then(|p| p.parent()).expect("test binaries live in target/<profile>/deps").to_path_buf()
+        }
+    };
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build it first (cargo build --release --workspace --bins, as scripts/test.sh does)",
+        path.display()
+    );
+    path
+}
+
+/// One etcd member on loopback with its own data dir.
+pub struct Etcd {
+    dir: TempDir,
+    client_port: u16,
+    peer_port: u16,
+    child: Option<Child>,
+}
+
+impl Etcd {
+    pub async fn start() -> Etcd {
+        let mut e =
+            Etcd { dir: TempDir::new().unwrap(), client_port: free_port(), peer_port: free_port(), child: None };
+        e.spawn().await;
+        e
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    async fn spawn(&mut self) {
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = File::options().create(true).append(true).open(self.dir.path().join("etcd.log")).unwrap();
+        let child = Command::new("etcd")
+            .args(["--name", "test", "--data-dir"])
+            .arg(self.dir.path().join("data"))
+            .args(["--listen-client-urls", &self.endpoint(), "--advertise-client-urls", &self.endpoint()])
+            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("test={peer}")])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("etcd runs (scripts/install-deps.sh installs it)");
+        self.child = Some(child);
+        let endpoint = self.endpoint();
+        eventually("etcd to serve", Duration::from_secs(20), || async {
+            let mut c = etcd_client::Client::connect([endpoint.as_str()], None).await.ok()?;
+            tokio::time::timeout(Duration::from_secs(1), c.get("probe", None)).await.ok()?.ok()
+        })
+        .await;
+    }
+
+    pub async fn client(&self) -> etcd_client::Client {
+        etcd_client::Client::connect([self.endpoint()], None).await.unwrap()
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Start again on the same data dir and ports.
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.spawn().await;
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A child process with its log in a temp dir; killed on drop, its log printed if the test
+/// failed.
+pub struct Process {
+    child: Child,
+    pub addr: String,
+    name: &'static str,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+impl Process {
+    fn spawn(name: &'static str, bin: PathBuf, args: Vec<String>, addr: String) -> Process {
+        let dir = TempDir::new().unwrap();
+        let log = dir.path().join(format!("{name}.log"));
+        let file = File::create(&log).unwrap();
+        let child = Command::new(&bin)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{} starts: {e}", bin.display()));
+        Process { child, addr, name, log, _dir: dir }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// What the process has logged so far (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
+        let rc = unsafe { libc::kill(self.pid(), sig) };
+        assert_eq!(rc, 0, "kill({sig}) failed");
+    }
+
+    /// SIGKILL, as a crash would, and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Wait for the process to exit (polling, up to `limit`).
+    pub fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "{} still running after {limit:?}; log:\n{}", self.name, self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("---- {} {} log ----\n{}", self.name, self.addr, self.log());
+        }
+    }
+}
+
+/// Arguments for a worker on the simulated engine with these sim settings (JSON object fields).
+pub fn sim(config: &str) -> Vec<String> {
+    vec!["--engine".into(), "sim".into(), "--sim-config".into(), config.into()]
+}
+
+/// A `bellows-worker serve` process.
+pub struct Worker(pub Process);
+
+impl std::ops::Deref for Worker {
+    type Target = Process;
+    fn deref(&self) -> &Process {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Worker {
+    fn deref_mut(&mut self) -> &mut Process {
+        &mut self.0
+    }
+}
+
+impl Worker {
+    /// Start a worker from `bin` on a free loopback port, and wait until it is SERVING.
+    pub async fn start_bin<S: AsRef<str>>(bin: PathBuf, args: &[S]) -> Worker {
+        let w = Worker::spawn_bin(bin, args);
+        w.wait_serving().await;
+        w
+    }
+
+    /// Start a worker (the workspace's `bellows-worker`) and wait until it is SERVING.
+    pub async fn start<S: AsRef<str>>(args: &[S]) -> Worker {
+        Worker::start_bin(binary("bellows-worker"), args).await
+    }
+
+    pub fn spawn_bin<S: AsRef<str>>(bin: PathBuf, args: &[S]) -> Worker {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let mut all = vec!["serve".to_string(), "--listen".into(), addr.clone()];
+        all.extend(args.iter().map(|a| a.as_ref().to_string()));
+        Worker(Process::spawn("worker", bin, all, addr))
+    }
+
+    pub async fn wait_serving(&self) {
+        let limit = Duration::from_secs(180); // a real model loads in seconds; a busy machine is slower
+        let deadline = Instant::now() + limit;
+        while self.health().await != Some(ServingStatus::Serving) {
+            assert!(Instant::now() < deadline, "worker not SERVING after {limit:?}; log:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The whole server's health ("" service); `None` if the worker does not answer.
+    pub async fn health(&self) -> Option<ServingStatus> {
+        let channel = Channel::from_shared(format!("http://{}", self.addr)).unwrap().connect().await.ok()?;
+        let r = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await.ok()?;
+        ServingStatus::try_from(r.into_inner().status).ok()
+    }
+
+    pub async fn client(&self) -> WorkerClient<Channel> {
+        WorkerClient::connect(format!("http://{}", self.addr)).await.expect("connects to the worker")
+    }
+
+    /// The worker's current load, from the first message of a WatchLoad stream.
+    pub async fn load(&self) -> pb::LoadReport {
+        let mut stream = self.client().await.watch_load(pb::WatchLoadRequest {}).await.unwrap().into_inner();
+        stream.message().await.unwrap().and_then(|m| m.load).expect("the first message carries the load")
+    }
+}
+
+/// A `bellows-router` process.
+pub struct Router {
+    pub process: Process,
+    pub url: String,
+}
+
+impl Router {
+    /// Start a router on a free port with these arguments, and wait until it answers /health.
+    pub async fn start<S: AsRef<str>>(args: &[S]) -> Router {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let mut all = vec!["--listen".to_string(), addr.clone()];
+        all.extend(args.iter().map(|a| a.as_ref().to_string()));
+        let process = Process::spawn("router", binary("bellows-router"), all, addr.clone());
+        let router = Router { process, url: format!("http://{addr}") };
+        let http = reqwest::Client::new();
+        let health = format!("{}/health", router.url);
+        eventually("the router to answer /health", Duration::from_secs(30), || async {
+            http.get(&health).send().await.ok().filter(|r| r.status().is_success())
+        })
+        .await;
+        router
+    }
+
+    /// Start a router in front of these workers (static list).
+    pub async fn with_workers<S: AsRef<str>>(workers: &[&Worker], extra: &[S]) -> Router {
+        let list: Vec<&str> = workers.iter().map(|w| w.addr.as_str()).collect();
+        let mut args = vec!["--workers".to_string(), list.join(",")];
+        args.extend(extra.iter().map(|a| a.as_ref().to_string()));
+        let router = Router::start(&args).await;
+        router.wait_placeable(workers.len()).await;
+        router
+    }
+
+    /// A gauge or counter from `/metrics` (the sum over its label sets).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = reqwest::get(self.url("/metrics")).await.unwrap().text().await.unwrap();
+        text.lines()
+            .filter(|l| l.split([' ', '{']).next() == Some(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Wait until exactly `n` workers can take work.
+    pub async fn wait_placeable(&self, n: usize) {
+        let what = format!("{n} placeable workers");
+        eventually(&what, Duration::from_secs(60), || async {
+            (self.metric("bellows_router_placeable_workers").await == n as f64).then_some(())
+        })
+        .await;
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.url)
+    }
+
+    /// POST a JSON body; the status and the parsed body (JSON, or the raw text as a string).
+    pub async fn post(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> (u16, reqwest::header::HeaderMap, serde_json::Value) {
+        let r = reqwest::Client::new().post(self.url(path)).json(body).send().await.expect("the router answers");
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        let text = r.text().await.unwrap();
+        let json = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+        (status, headers, json)
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
+        let r = reqwest::get(self.url(path)).await.expect("the router answers");
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)))
+    }
+}
+
+/// One parsed SSE stream: the `data:` payloads in order (`[DONE]` included as a string).
+pub async fn sse(response: reqwest::Response) -> Vec<serde_json::Value> {
+    use futures_util::StreamExt;
+    let mut body = response.bytes_stream();
+    let mut buf = String::new();
+    let mut out = Vec::new();
+    while let Some(chunk) = body.next().await {
+        buf.push_str(std::str::from_utf8(&chunk.expect("the stream reads")).expect("SSE is UTF-8"));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            for line in event.lines() {
+                if let Some(data) = line.strip_prefix("data: ") {
+                    out.push(serde_json::from_str(data).unwrap_or(serde_json::Value::String(data.to_string())));
+                }
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,93 @@
+//! The global queue cap: above `--max-waiting` requests waiting cluster-wide, new requests get
+//! an immediate 503 with Retry-After; routers that share no state still share the cap, through
+//! what the workers report.
+
+use std::time::Duration;
+
+use bellows_integration::{Router, Worker, eventually, sim};
+use serde_json::json;
+
+/// A worker that runs one sequence at a time, 20 ms per step.
+async fn one_slot_worker() -> Worker {
+    Worker::start(&[&sim(r#"{"base_us": 20000}"#)[..], &["--max-running".into(), "1".into()]].concat()).await
+}
+
+/// Start a streaming request that occupies the worker for about `tokens` x 20 ms; returns the
+/// open response (dropping it cancels the request).
+async fn occupy(router: &Router, tokens: u32) -> reqwest::Response {
+    let body = json!({"model": "sim", "prompt": "a b c", "max_tokens": tokens, "stream": true});
+    let r = reqwest::Client::new().post(router.url("/v1/completions")).json(&body).send();
+    tokio::time::timeout(Duration::from_secs(60), r).await.expect("answers").expect("sends")
+}
+
+#[tokio::test]
+async fn the_cap_refuses_with_retry_after_and_admits_again_once_drained() {
+    let worker = one_slot_worker().await;
+    let router = Router::with_workers(&[&worker], &["--max-waiting", "2"]).await;
+    // One request runs (first token seen), two wait behind it: the queue is at its cap.
+    let running = occupy(&router, 100).await;
+    let waiting: Vec<_> = (0..2)
+        .map(|_| {
+            let url = router.url("/v1/completions");
+            tokio::spawn(async move {
+                let body = json!({"model": "sim", "prompt": "d e", "max_tokens": 2});
+                reqwest::Client::new().post(url).json(&body).send().await.unwrap().status().as_u16()
+            })
+        })
+        .collect();
+    eventually("two requests waiting at the worker", Duration::from_secs(10), || async {
+        (worker.load().await.waiting_requests == 2).then_some(())
+    })
+    .await;
+
+    let started = std::time::Instant::now();
+    let (status, headers, body) =
+        router.post("/v1/completions", &json!({"model": "sim", "prompt": "f", "max_tokens": 2})).await;
+    let refused_in = started.elapsed();
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "queue_full");
+    let retry_after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=60).contains(&retry_after));
+    assert!(refused_in < Duration::from_secs(1), "a refusal is immediate, not a timeout ({refused_in:?})");
+    assert_eq!(router.metric("bellows_router_refusals_total").await, 1.0);
+
+    // Once the running request is gone and the queue drains, requests are admitted again.
+    drop(running);
+    for w in waiting {
+        assert_eq!(w.await.unwrap(), 200, "admitted requests complete");
+    }
+    eventually("the cap to admit again", Duration::from_secs(10), || async {
+        let (status, _, _) =
+            router.post("/v1/completions", &json!({"model": "sim", "prompt": "g", "max_tokens": 1})).await;
+        (status == 200).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn two_routers_share_the_cap_through_the_workers_reports() {
+    let worker = one_slot_worker().await;
+    let a = Router::with_workers(&[&worker], &["--max-waiting", "2"]).await;
+    let b = Router::with_workers(&[&worker], &["--max-waiting", "2"]).await;
+    let _running = occupy(&a, 200).await;
+    let _waiting: Vec<_> = (0..2)
+        .map(|_| {
+            let url = a.url("/v1/completions");
+            tokio::spawn(async move {
+                let body = json!({"model": "sim", "prompt": "d e", "max_tokens": 2});
+                reqwest::Client::new().post(url).json(&body).send().await.map(|r| r.status().as_u16())
+            })
+        })
+        .collect();
+    eventually("two requests waiting at the worker", Duration::from_secs(10), || async {
+        (worker.load().await.waiting_requests == 2).then_some(())
+    })
+    .await;
+    // Router b sent nothing; it learns of a's queue from the worker's load reports alone.
+    eventually("router b to refuse on a's queue", Duration::from_secs(5), || async {
+        let (status, headers, _) =
+            b.post("/v1/completions", &json!({"model": "sim", "prompt": "f", "max_tokens": 1})).await;
+        (status == 503 && headers.contains_key("retry-after")).then_some(())
+    })
+    .await;
+}

@@ -1,0 +1,121 @@
+//! Worker failures are not client failures: a worker that fails before the first token is
+//! replaced by another; one that dies mid-stream hands the stream to another worker, and the
+//! client sees one uninterrupted, exact completion.
+
+use std::time::Duration;
+
+use bellows_integration::{Router, Worker, eventually, sim};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+#[tokio::test]
+async fn a_worker_failing_before_the_first_token_is_retried_on_another() {
+    // Worker `a` fails every step that carries token 999 (a model panic: INTERNAL before any
+    // token); `b` is healthy. Round-robin sends at least one of two requests to `a` first.
+    let a = Worker::start(&sim(r#"{"poison_token": 999}"#)).await;
+    let b = Worker::start(&sim("{}")).await;
+    let router = Router::with_workers(&[&a, &b], &["--policy", "round_robin"]).await;
+    for _ in 0..2 {
+        let (status, _, body) =
+            router.post("/v1/completions", &json!({"model": "sim", "prompt": [5, 999, 7], "max_tokens": 4})).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 4);
+    }
+    let retries = router.metric("bellows_router_retries_total").await;
+    assert!((1.0..=2.0).contains(&retries), "each request went to `a` at most once: {retries} retries");
+}
+
+#[tokio::test]
+async fn when_every_worker_fails_the_client_gets_a_502_not_a_hang() {
+    let a = Worker::start(&sim(r#"{"poison_token": 999}"#)).await;
+    let router = Router::with_workers(&[&a], &[] as &[&str]).await;
+    let (status, _, body) =
+        router.post("/v1/completions", &json!({"model": "sim", "prompt": [999], "max_tokens": 4})).await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(body["error"]["code"], "worker_failed");
+}
+
+/// Read SSE `data:` payloads until `pred` holds for the ones read so far.
+async fn read_until(
+    body: &mut (impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin),
+    buf: &mut String,
+    events: &mut Vec<Value>,
+    pred: impl Fn(&[Value]) -> bool,
+) {
+    while !pred(events) {
+        let chunk = body.next().await.expect("the stream continues").expect("the stream reads");
+        buf.push_str(std::str::from_utf8(&chunk).unwrap());
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            if let Some(data) = event.trim().strip_prefix("data: ") {
+                events.push(serde_json::from_str(data).unwrap_or(Value::String(data.to_string())));
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_stream_survives_the_sigkill_of_its_worker_and_continues_exactly() {
+    // 20 ms per step: a 60-token completion takes over a second, time enough to kill its worker.
+    let config = r#"{"base_us": 20000}"#;
+    let mut workers = [Worker::start(&sim(config)).await, Worker::start(&sim(config)).await];
+    let router = Router::with_workers(&[&workers[0], &workers[1]], &[] as &[&str]).await;
+    let request = json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 60, "temperature": 0});
+
+    // What an undisturbed run produces (the simulated model is deterministic).
+    let (status, _, reference) = router.post("/v1/completions", &request).await;
+    assert_eq!(status, 200, "{reference}");
+    let reference = reference["choices"][0]["text"].as_str().unwrap().to_string();
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let response = reqwest::Client::new().post(router.url("/v1/completions")).json(&streamed).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let (mut buf, mut events) = (String::new(), Vec::new());
+    read_until(&mut body, &mut buf, &mut events, |e| e.len() >= 5).await;
+
+    // Kill whichever worker is running it.
+    let mut serving = None;
+    for (i, w) in workers.iter().enumerate() {
+        if w.load().await.running_requests == 1 {
+            serving = Some(i);
+        }
+    }
+    let serving = serving.expect("one worker runs the stream");
+    workers[serving].kill();
+
+    read_until(&mut body, &mut buf, &mut events, |e| e.last().is_some_and(|l| l == "[DONE]")).await;
+    let id = events[0]["id"].clone();
+    let chunks = &events[..events.len() - 1];
+    assert!(chunks.iter().all(|c| c["id"] == id), "one id for the whole stream");
+    let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)?["text"].as_str()).collect();
+    assert_eq!(text, reference, "no token lost or repeated across the migration");
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 60);
+    assert_eq!(usage["prompt_tokens"], 3);
+    assert_eq!(router.metric("bellows_router_migrations_total").await, 1.0);
+}
+
+#[tokio::test]
+async fn a_dead_worker_leaves_placement_and_the_rest_serve() {
+    let mut a = Worker::start(&sim("{}")).await;
+    let b = Worker::start(&sim("{}")).await;
+    let router = Router::with_workers(&[&a, &b], &["--policy", "round_robin"]).await;
+    a.kill();
+    eventually("the router to notice", Duration::from_secs(5), || async {
+        (router.metric("bellows_router_placeable_workers").await == 1.0).then_some(())
+    })
+    .await;
+    for _ in 0..4 {
+        let (status, _, body) =
+            router.post("/v1/completions", &json!({"model": "sim", "prompt": "x", "max_tokens": 2})).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(
+        router.metric("bellows_router_retries_total").await,
+        0.0,
+        "no request was even tried on the dead worker"
+    );
+}

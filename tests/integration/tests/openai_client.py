@@ -1,0 +1,65 @@
+"""The official OpenAI Python client against a Bellows router, unchanged: chat and text
+completions, streamed and not, usage, and an error surfacing as the client's own exception.
+Run by tests/real_model.rs with BASE_URL and MODEL set; exits non-zero on any mismatch."""
+import os
+import sys
+
+import openai
+
+client = openai.OpenAI(base_url=os.environ["BASE_URL"] + "/v1", api_key="unused", max_retries=0)
+model = os.environ["MODEL"]
+
+models = [m.id for m in client.models.list()]
+assert model in models, models
+
+chat = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "What is the capital of France?"}],
+    max_tokens=12,
+    temperature=0,
+)
+assert chat.choices[0].message.role == "assistant"
+assert chat.choices[0].message.content, chat
+assert chat.choices[0].finish_reason in ("stop", "length")
+assert chat.usage.completion_tokens > 0 and chat.usage.prompt_tokens > 0
+assert chat.usage.prompt_tokens_details.cached_tokens >= 0
+
+stream = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "What is the capital of France?"}],
+    max_tokens=12,
+    temperature=0,
+    stream=True,
+    stream_options={"include_usage": True},
+)
+text, usage, finish = "", None, None
+for chunk in stream:
+    if chunk.usage is not None:
+        usage = chunk.usage
+    for c in chunk.choices:
+        text += c.delta.content or ""
+        finish = c.finish_reason or finish
+assert text == chat.choices[0].message.content, (text, chat.choices[0].message.content)
+assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
+assert finish == chat.choices[0].finish_reason
+
+completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0)
+assert completion.choices[0].text, completion
+streamed = "".join(
+    c.choices[0].text
+    for c in client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True)
+    if c.choices
+)
+assert streamed == completion.choices[0].text, (streamed, completion.choices[0].text)
+
+try:
+    client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    sys.exit("an unknown model must raise")
+except openai.NotFoundError as e:
+    assert e.body["code"] == "model_not_found", e.body
+try:
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], temperature=5)
+    sys.exit("an out-of-range temperature must raise")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "temperature", e.body
+print("openai client: ok")

@@ -1,0 +1,58 @@
+//! The router in front of a worker running the real default model (SmolLM2-135M): tokenization
+//! at the router matches llama.cpp's, and the official OpenAI Python client works unchanged.
+
+use std::{path::PathBuf, process::Command};
+
+use bellows_integration::{Router, Worker};
+use serde_json::{Value, json};
+
+fn fixture() -> Value {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../crates/worker/tests/fixtures/tokenizer_reference.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+async fn real_cluster() -> (Worker, Router) {
+    let worker = Worker::start(&["--engine", "gguf", "--model-id", "smollm2"]).await;
+    let router = Router::with_workers(&[&worker], &[] as &[&str]).await;
+    (worker, router)
+}
+
+#[tokio::test]
+async fn the_router_tokenizes_text_exactly_like_llama_cpp_and_official_clients_work() {
+    let (_worker, router) = real_cluster().await;
+
+    // A text prompt and llama.cpp's ids for it give the same prompt length and the same greedy
+    // completion: the router's tokenizer (fetched from the worker) agrees with the reference.
+    for case in fixture()["cases"].as_array().unwrap().iter().filter(|c| c["has_special"] == false).take(6) {
+        let text = case["text"].as_str().unwrap();
+        let ids = &case["ids_add_special"];
+        let ask = |prompt: Value| json!({"model": "smollm2", "prompt": prompt, "max_tokens": 6, "temperature": 0});
+        let (s1, _, from_text) = router.post("/v1/completions", &ask(json!(text))).await;
+        let (s2, _, from_ids) = router.post("/v1/completions", &ask(ids.clone())).await;
+        assert_eq!((s1, s2), (200, 200), "{from_text} {from_ids}");
+        assert_eq!(
+            from_text["usage"]["prompt_tokens"].as_u64().unwrap(),
+            ids.as_array().unwrap().len() as u64,
+            "prompt length of {text:?}"
+        );
+        assert_eq!(from_text["choices"][0]["text"], from_ids["choices"][0]["text"], "completion of {text:?}");
+    }
+
+    let openai = std::env::var("BELLOWS_PY_OPENAI")
+        .unwrap_or_else(|_| format!("{}/.cache/bellows/py-openai", std::env::var("HOME").unwrap()));
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .env("PYTHONPATH", &openai)
+        .env("BASE_URL", &router.url)
+        .env("MODEL", "smollm2")
+        .output()
+        .expect("python3 runs (scripts/install-deps.sh installs the openai client)");
+    assert!(
+        out.status.success(),
+        "the openai client failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
