@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Markdown tables from the JSON lines of scripts/bench-router.sh.
 
-Labels are `part|router|policy|prompt|connections|mode[|run]`. Overhead: one row per router,
-policy, prompt format and mode at 64 connections, with the latency added at 1 connection against
-the same backend called directly. Placement: one row per router and policy (medians over runs),
-throughput relative to bellows round_robin of the same run.
+Labels are `part|run|router|policy|prompt|connections|mode`; every number shown is the median
+over runs. Overhead: one row per router, policy, prompt format and response mode at 64
+connections, with the latency at 1 connection and what it adds to the same backend called
+directly. Placement: one row per router and policy, throughput relative to bellows round_robin
+of the same run.
 """
 import json
 import statistics
@@ -12,91 +13,111 @@ import sys
 from collections import defaultdict
 
 
-def fmt(x, digits=0):
-    return "-" if x is None else f"{x:,.{digits}f}"
+def med(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
-def pct(s, key, digits=1):
-    return "-" if not s else f"{s['p50']:.{digits}f} / {s[key]:.{digits}f}"
+def get(r, *path):
+    for p in path:
+        if r is None:
+            return None
+        r = r.get(p)
+    return r
+
+
+def fmt(x, digits=0, suffix=""):
+    return "-" if x is None else f"{x:,.{digits}f}{suffix}"
+
+
+def pair(a, b, digits=1):
+    return f"{fmt(a, digits)} / {fmt(b, digits)}"
 
 
 def main(path):
     lines = [json.loads(l) for l in open(path) if l.strip()]
-    meta, runs = lines[0], lines[1:]
-    print(f"date {meta['date']}, {meta['cpu']}, {meta['cores']} cores, quickack={meta['quickack']}\n")
-    by = {}
-    for r in runs:
-        by[tuple(r["label"].split("|"))] = r
-    overhead = {k: v for k, v in by.items() if k[0] == "overhead"}
+    meta, results = lines[0], lines[1:]
+    print(f"{meta['date']}, {meta['cpu']}, {meta['cores']} cores, quickack={meta['quickack']}\n")
+    groups = defaultdict(list)  # label without the run -> [(run, result)]
+    router_metrics = [r for r in results if "router_metrics_of" in r]
+    for r in results:
+        if "label" not in r:
+            continue
+        part, run, *rest = r["label"].split("|")
+        groups[(part, *rest)].append((run, r))
+    overhead = {k[1:]: v for k, v in groups.items() if k[0] == "overhead"}
     if overhead:
         print_overhead(overhead)
-    placement = {k: v for k, v in by.items() if k[0] == "placement"}
+    placement = {k[1:3]: v for k, v in groups.items() if k[0] == "placement"}
     if placement:
         print_placement(placement)
+    for r in router_metrics:
+        print(f"{r['router_metrics_of']}: bellows-router placed {r['prompt_tokens']:,.0f} prompt tokens, expecting "
+              f"{r['predicted_cached_tokens']:,.0f} cached; the workers reported {r['cached_tokens']:,.0f} cached")
 
 
-def print_overhead(rows):
-    def direct(router, mode):
-        if router == "bellows":
-            return rows.get(("overhead", "direct-sim", "-", "tokens", "1", "stream"))
-        return rows.get(("overhead", "direct-fake", "-", "text", "1", mode))
+def print_overhead(groups):
+    def m(key, *path):
+        return med(get(r, *path) for _, r in groups.get(key, []))
 
     print("| router | policy | prompt | response | req/s @64 | latency p50 / p99 @64 (ms) | TTFT p50 / p99 @64 (ms) "
-          "| router CPU us/req (user + sys) | p50 @1 (ms) | added @1 vs direct (ms) |")
+          "| router CPU us/req: total (user + sys) | @1: latency / TTFT p50 (ms) | added @1: latency / TTFT (ms) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for key, r in rows.items():
-        _, router, policy, prompt, conns, mode = key[:6]
+    for key, rs in groups.items():
+        router, policy, prompt, conns, mode = key
         if conns != "64":
             continue
-        one = rows.get(key[:4] + ("1", mode))
-        # Streams are compared on the first token, whole answers on the whole latency.
-        metric = "ttft_ms" if mode == "stream" else "latency_ms"
-        base = direct(router, mode) if not router.startswith("direct") else None
-        at1 = one[metric]["p50"] if one and one[metric] else None
-        added = at1 - base[metric]["p50"] if at1 is not None and base else None
-        cpu = r["cpu"]
-        cpu_s = (f"{cpu['us_per_request']:.0f} ({cpu['user_us_per_request']:.0f} + {cpu['system_us_per_request']:.0f})"
-                 if cpu else "-")
-        if router == "direct-sim" and cpu:
-            cpu_s += " (router idle, watching)"
-        if router == "direct-fake" and cpu:
-            cpu_s += " (the fake itself)"
-        print(f"| {router} | {policy} | {prompt} | {mode} | {fmt(r['requests_per_s'])} | {pct(r['latency_ms'], 'p99')} "
-              f"| {pct(r['ttft_ms'], 'p99')} | {cpu_s} | {fmt(at1, 1)} | {fmt(added, 1)} |")
+        one = (router, policy, prompt, "1", mode)
+        direct = (("direct-sim", "-", "tokens", "1", "stream") if router in ("bellows", "direct-sim")
+                  else ("direct-fake", "-", "text", "1", mode))
+        lat1, ttft1 = m(one, "latency_ms", "p50"), m(one, "ttft_ms", "p50")
+        added = "-"
+        if not router.startswith("direct") and one in groups:
+            d_lat, d_ttft = m(direct, "latency_ms", "p50"), m(direct, "ttft_ms", "p50")
+            added = pair(lat1 - d_lat if lat1 is not None else None,
+                         ttft1 - d_ttft if ttft1 is not None and d_ttft is not None else None)
+        cpu = m(key, "cpu", "us_per_request")
+        cpu_s = "-" if cpu is None else \
+            f"{cpu:.0f} ({m(key, 'cpu', 'user_us_per_request'):.0f} + {m(key, 'cpu', 'system_us_per_request'):.0f})"
+        if router == "direct-sim" and cpu is not None:
+            cpu_s += ", router idle but watching"
+        if router == "direct-fake" and cpu is not None:
+            cpu_s += ", of the fake itself"
+        runs = f" ({len(rs)} runs)" if len(rs) > 1 else ""
+        print(f"| {router}{runs} | {policy} | {prompt} | {mode} | {fmt(m(key, 'requests_per_s'))} "
+              f"| {pair(m(key, 'latency_ms', 'p50'), m(key, 'latency_ms', 'p99'))} "
+              f"| {pair(m(key, 'ttft_ms', 'p50'), m(key, 'ttft_ms', 'p99'))} | {cpu_s} "
+              f"| {pair(lat1, ttft1) if one in groups else '-'} | {added} |")
     print()
 
 
-def print_placement(rows):
-    groups = defaultdict(list)
-    baseline = {}
-    for key, r in rows.items():
-        _, router, policy = key[:3]
-        run = key[6] if len(key) > 6 else "1"
-        groups[(router, policy)].append((run, r))
-        if (router, policy) == ("bellows", "round_robin"):
-            baseline[run] = r["requests_per_s"]
-    med = statistics.median
-    first = next(iter(rows.values()))
-    print(f"achievable cached tokens (run 1): {first.get('achievable_cached_tokens')} of {first['shareable_tokens']} "
-          f"shareable; {first['requests']} requests, hot tenant {first['hot_tenant']['requests']}\n")
-    print("| router | policy | req/s | vs bellows round_robin | cached of achievable | cached of shareable: hot / others "
-          "| TTFT p50 / p99 (ms) | router CPU us/req | per-worker decode tok/s | per-worker blocks evicted |")
+def print_placement(groups):
+    baseline = {run: r["requests_per_s"] for run, r in groups.get(("bellows", "round_robin"), [])}
+    first = next(iter(groups.values()))[0][1]
+    print(f"run 1 of bellows round_robin: {first['requests']} requests ({first['hot_tenant']['requests']} from the hot "
+          f"tenant), {first['shareable_tokens']:,} shareable prompt tokens, "
+          f"{first.get('achievable_cached_tokens', 0):,} achievable cached tokens\n")
+    print("| router | policy | req/s | vs bellows round_robin | cached tokens | of achievable "
+          "| of shareable: hot / other tenants | TTFT p50 / p99 (ms) | router CPU us/req "
+          "| per worker (last run): decode tok/s; waiting; blocks evicted |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for (router, policy), rs in groups.items():
-        rps = med(r["requests_per_s"] for _, r in rs)
-        rel = med(r["requests_per_s"] / baseline[run] for run, r in rs if run in baseline) if baseline else None
-        ach = med(r["cached_of_achievable"] for _, r in rs)
-        hot = med(r["hot_tenant"]["cached_of_shareable"] for _, r in rs)
-        cold = med(r["other_tenants"]["cached_of_shareable"] for _, r in rs)
-        ttft50 = med(r["ttft_ms"]["p50"] for _, r in rs)
-        ttft99 = med(r["ttft_ms"]["p99"] for _, r in rs)
-        cpu = med(r["cpu"]["us_per_request"] for _, r in rs)
-        last = rs[-1][1]["workers"]
-        decode = ", ".join(f"{w['decode_tokens_per_s']:.0f}" for w in last)
-        evicted = ", ".join(f"{w['blocks_evicted']}" for w in last)
+        def m(*path):
+            return med(get(r, *path) for _, r in rs)
+        rel = med(r["requests_per_s"] / baseline[run] for run, r in rs if run in baseline)
+        workers = rs[-1][1]["workers"]
+        per_worker = "; ".join([
+            ", ".join(f"{w['decode_tokens_per_s']:.0f}" for w in workers),
+            ", ".join(f"{w['waiting_requests']:.1f}" for w in workers),
+            ", ".join(f"{w['blocks_evicted']}" for w in workers),
+        ])
         runs = f" ({len(rs)} runs)" if len(rs) > 1 else ""
-        print(f"| {router} | {policy}{runs} | {rps:.0f} | {fmt(rel, 2)}x | {ach:.0%} | {hot:.0%} / {cold:.0%} "
-              f"| {ttft50:.0f} / {ttft99:.0f} | {cpu:.0f} | {decode} | {evicted} |")
+        print(f"| {router} | {policy}{runs} | {fmt(m('requests_per_s'))} | {fmt(rel, 2, 'x')} "
+              f"| {fmt(m('cached_tokens'))} | {fmt(100 * m('cached_of_achievable'), 0, '%')} "
+              f"| {fmt(100 * m('hot_tenant', 'cached_of_shareable'), 0, '%')} / "
+              f"{fmt(100 * m('other_tenants', 'cached_of_shareable'), 0, '%')} "
+              f"| {pair(m('ttft_ms', 'p50'), m('ttft_ms', 'p99'), 0)} | {fmt(m('cpu', 'us_per_request'))} "
+              f"| {per_worker} |")
     print()
 
 

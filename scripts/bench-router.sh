@@ -14,16 +14,17 @@
 # target/bench-router), a table is printed at the end.
 #   usage: scripts/bench-router.sh [overhead|placement|all]
 #   env:   REQUESTS (overhead, per run, default 10000), PLACEMENT_REQUESTS (default 4000),
-#          RUNS (placement repeats, default 1), QUICKACK=1 (run in a private network namespace
+#          RUNS (repeats of each part, default 1; the table shows medians), QUICKACK=1 (run in a private network namespace
 #          whose loopback acknowledges at once: see "Delayed ACKs" in docs/BENCHMARKS.md; root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-all}"
 case "$part" in overhead | placement | all) ;; *) echo "usage: $0 [overhead|placement|all]" >&2; exit 2 ;; esac
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}"
-bin="$CARGO_TARGET_DIR/release"
 venv="$HOME/.cache/bellows/bench-venv"
 out="${OUT:-$CARGO_TARGET_DIR/bench-router}"
+# The binaries are copied here first, so a build running meanwhile cannot swap them mid-run.
+bin="$out/bin"
 
 if [[ -z "${BENCH_ROUTER_INNER:-}" ]]; then
     # Build and install before quiet.sh: it pauses niced processes, and a paused build elsewhere
@@ -33,7 +34,8 @@ if [[ -z "${BENCH_ROUTER_INNER:-}" ]]; then
         python3 -m venv "$venv"
         "$venv/bin/pip" install -q sglang-router==0.3.2 vllm-router==0.1.17
     fi
-    mkdir -p "$out/logs"
+    mkdir -p "$out/logs" "$bin"
+    cp "$CARGO_TARGET_DIR"/release/bellows-{worker,router,bench} "$bin/"
     export BENCH_ROUTER_INNER=1
     if [[ "${QUICKACK:-0}" == 1 ]]; then
         ns="bellows-bench-$$"
@@ -116,14 +118,14 @@ reference_router() { # NAME(sglang|vllm) PORT POLICY WORKER_URL...
         --prometheus-port "$metrics_port" --log-level "$level" --worker-urls "${@:4}"
 }
 
-overhead() {
+overhead() { # RUN
     # Simulated workers: a fixed 2 ms step, whatever the batch (no per-token cost), so latency
     # is the same for every request and a router's cost shows. fake-openai: 2 ms to the first
     # token, then 500 tokens/s, the same timing.
     local sim='{"base_us":2000,"per_token_us":0,"per_sequence_us":0}'
     local common=(--max-tokens 8 --prompt-tokens 16)
     local many=(--connections 64 --requests "$requests" --warmup 1000)
-    local one=(--connections 1 --requests 300 --warmup 20)
+    local one=(--connections 1 --requests 200 --warmup 20)
     local w1 w2 f1 f2 r
     read -r w1 w2 f1 f2 <<<"$(free_ports 4)"
     local direct="grpc://127.0.0.1:$w1,127.0.0.1:$w2"
@@ -138,18 +140,18 @@ overhead() {
         if [[ $policy == round_robin ]]; then
             # The router is up and following both workers' load reports, but carries nothing:
             # its CPU here is what watching busy workers costs.
-            load "overhead|direct-sim|-|tokens|64|stream" --target "$direct" "${common[@]}" "${many[@]}" --cpu-pid "$router"
-            load "overhead|direct-sim|-|tokens|1|stream" --target "$direct" "${common[@]}" "${one[@]}"
+            load "overhead|$1|direct-sim|-|tokens|64|stream" --target "$direct" "${common[@]}" "${many[@]}" --cpu-pid "$router"
+            load "overhead|$1|direct-sim|-|tokens|1|stream" --target "$direct" "${common[@]}" "${one[@]}"
         fi
         for stream in "" --stream; do
             local mode=${stream:+stream}
-            load "overhead|bellows|$policy|tokens|64|${mode:-whole}" --target "http://127.0.0.1:$r" "${common[@]}" \
+            load "overhead|$1|bellows|$policy|tokens|64|${mode:-whole}" --target "http://127.0.0.1:$r" "${common[@]}" \
                 "${many[@]}" $stream --cpu-pid "$router"
-            load "overhead|bellows|$policy|tokens|1|${mode:-whole}" --target "http://127.0.0.1:$r" "${common[@]}" \
+            load "overhead|$1|bellows|$policy|tokens|1|${mode:-whole}" --target "http://127.0.0.1:$r" "${common[@]}" \
                 "${one[@]}" $stream --cpu-pid "$router"
         done
         # With tokenization (text prompts, as the reference routers get them).
-        load "overhead|bellows|$policy|text|64|stream" --target "http://127.0.0.1:$r" "${common[@]}" "${many[@]}" \
+        load "overhead|$1|bellows|$policy|text|64|stream" --target "http://127.0.0.1:$r" "${common[@]}" "${many[@]}" \
             --stream --prompt-format text --cpu-pid "$router"
         stop "$router"
     done
@@ -161,9 +163,9 @@ overhead() {
     wait_ready "http://127.0.0.1:$f1"
     for stream in "" --stream; do
         local mode=${stream:+stream}
-        load "overhead|direct-fake|-|text|64|${mode:-whole}" --target "http://127.0.0.1:$f1" "${common[@]}" \
+        load "overhead|$1|direct-fake|-|text|64|${mode:-whole}" --target "http://127.0.0.1:$f1" "${common[@]}" \
             "${many[@]}" $stream --prompt-format text --cpu-pid "$fake"
-        load "overhead|direct-fake|-|text|1|${mode:-whole}" --target "http://127.0.0.1:$f1" "${common[@]}" \
+        load "overhead|$1|direct-fake|-|text|1|${mode:-whole}" --target "http://127.0.0.1:$f1" "${common[@]}" \
             "${one[@]}" $stream --prompt-format text
     done
     for name in sglang vllm; do
@@ -174,9 +176,9 @@ overhead() {
             wait_ready "http://127.0.0.1:$r"
             for stream in "" --stream; do
                 local mode=${stream:+stream}
-                load "overhead|$name|$policy|text|64|${mode:-whole}" --target "http://127.0.0.1:$r" "${common[@]}" \
+                load "overhead|$1|$name|$policy|text|64|${mode:-whole}" --target "http://127.0.0.1:$r" "${common[@]}" \
                     "${many[@]}" $stream --prompt-format text --cpu-pid "$router"
-                load "overhead|$name|$policy|text|1|${mode:-whole}" --target "http://127.0.0.1:$r" "${common[@]}" \
+                load "overhead|$1|$name|$policy|text|1|${mode:-whole}" --target "http://127.0.0.1:$r" "${common[@]}" \
                     "${one[@]}" $stream --prompt-format text --cpu-pid "$router"
             done
             stop "$router"
@@ -210,9 +212,16 @@ placement_run() { # ROUTER POLICY RUN
     fi
     local router=$last_pid
     wait_ready "http://127.0.0.1:$r"
-    load "placement|$1|$2|text|64|stream|$3" --target "http://127.0.0.1:$r" --workload shared-prefix \
+    load "placement|$3|$1|$2|text|64|stream" --target "http://127.0.0.1:$r" --workload shared-prefix \
         --prompt-format text --stream --connections 64 --requests "$placement_requests" --max-tokens 32 \
         --watch "$list" --cpu-pid "$router"
+    if [[ $1 == bellows ]]; then
+        # What placement expected to be cached, next to what the workers reported.
+        curl -s "http://127.0.0.1:$r/metrics" | python3 -c 'import json, sys
+m = {l.split()[0].removeprefix("bellows_router_").removesuffix("_total"): float(l.split()[1])
+     for l in sys.stdin if l.startswith("bellows_router_") and "tokens" in l}
+print(json.dumps({"router_metrics_of": sys.argv[1], **m}))' "placement|$3|$1|$2" | tee -a "$results"
+    fi
     cleanup
 }
 
@@ -230,6 +239,8 @@ placement() {
 }
 
 echo "{\"date\": \"$(date -u +%FT%TZ)\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"cores\": $(nproc), \"quickack\": ${QUICKACK:-0}}" | tee -a "$results"
-[[ $part == placement ]] || overhead
+if [[ $part != placement ]]; then
+    for run in $(seq "$runs"); do overhead "$run"; done
+fi
 [[ $part == overhead ]] || placement
 python3 scripts/bench-router-table.py "$results"

@@ -46,6 +46,29 @@ pub fn worker_key(cluster: &str, node_id: &str) -> Result<String, KeyError> {
     Ok(format!("{}{node_id}", workers_prefix(cluster)?))
 }
 
+/// `/bellows/<cluster>/routers/`: routers register here (membership only), so each knows how
+/// many share the cluster's per-tenant limits.
+pub fn routers_prefix(cluster: &str) -> Result<String, KeyError> {
+    check("cluster name", cluster)?;
+    Ok(format!("{ROOT}/{cluster}/routers/"))
+}
+
+/// `/bellows/<cluster>/routers/<router-id>`.
+pub fn router_key(cluster: &str, router_id: &str) -> Result<String, KeyError> {
+    check("router id", router_id)?;
+    Ok(format!("{}{router_id}", routers_prefix(cluster)?))
+}
+
+/// This host's name (for default node and router ids).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
 /// The node id of a key under [`workers_prefix`]; `None` for any other key.
 pub fn node_id_of<'k>(cluster: &str, key: &'k str) -> Option<&'k str> {
     let prefix = workers_prefix(cluster).ok()?;

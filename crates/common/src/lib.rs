@@ -5,3 +5,4 @@ pub mod chat_template;
 pub mod cluster;
 pub mod duration;
 pub mod prefix_hash;
+pub mod telemetry;

@@ -23,6 +23,11 @@ pub struct Admission {
 }
 
 impl Admission {
+    /// How many more requests the cluster's queue has room for.
+    pub fn room(&self, queue: QueueView) -> usize {
+        self.max_waiting.saturating_sub(queue.waiting_requests) as usize
+    }
+
     /// `Err(retry_after)` when the cluster's queue is full.
     pub fn check(&self, queue: QueueView) -> Result<(), Duration> {
         if queue.waiting_requests < self.max_waiting { Ok(()) } else { Err(retry_after(queue)) }

@@ -1,9 +1,9 @@
 //! `bellows-router` flags. Every flag also reads a `BELLOWS_*` environment variable, so a
 //! container or a Helm chart configures a router without a command line.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use bellows_common::duration::parse_duration;
+use bellows_common::{duration::parse_duration, telemetry::LogFormat};
 use clap::{Parser, ValueEnum};
 
 /// How a request picks its worker among those serving its model.
@@ -80,14 +80,30 @@ pub struct RouterArgs {
     #[arg(long, env = "BELLOWS_PLACEMENT_MEMORY", default_value = "2s", value_parser = parse_duration)]
     pub placement_memory: Duration,
     /// Log format: text or json.
-    #[arg(long, env = "BELLOWS_LOG_FORMAT", default_value = "text")]
+    #[arg(long, env = "BELLOWS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
+    /// Tenants and their hashed API keys (YAML; reloaded on change). Given: every request needs
+    /// `Authorization: Bearer <key>`, and tenants' limits and fair sharing apply. Not given:
+    /// auth is off (a local cluster).
+    #[arg(long, env = "BELLOWS_TENANTS_FILE")]
+    pub tenants_file: Option<PathBuf>,
+    /// File holding the SHA-256 (hex) of the admin key, which unlocks GET /admin/usage.
+    #[arg(long, env = "BELLOWS_ADMIN_KEY_FILE")]
+    pub admin_key_file: Option<PathBuf>,
+    /// With tenants: how long a request may wait in its tenant's queue for room under the
+    /// global cap before a 503 (0: no queue, refuse at the cap at once).
+    #[arg(long, env = "BELLOWS_FAIR_QUEUE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub fair_queue_timeout: Duration,
+    /// With tenants: requests one tenant may have waiting in this router's queue.
+    #[arg(long, env = "BELLOWS_FAIR_QUEUE_DEPTH", default_value_t = 64)]
+    pub fair_queue_depth: usize,
+    /// This router's id in etcd (routers register so each knows its share of tenant limits)
+    /// [default: <hostname>-<port>].
+    #[arg(long, env = "BELLOWS_ROUTER_ID")]
+    pub router_id: Option<String>,
+    /// Record prompt and completion text on trace spans (off: spans never carry text).
+    #[arg(long, env = "BELLOWS_TRACE_TEXT")]
+    pub trace_text: bool,
 }
 
 impl RouterArgs {

@@ -15,9 +15,11 @@
 use std::{sync::Arc, time::Duration};
 
 use bellows_common::prefix_hash::BlockHash;
+use bellows_common::telemetry;
 use bellows_proto::worker::v1 as pb;
 use tokio::sync::mpsc;
 use tonic::Code;
+use tracing::field::Empty;
 
 use crate::{
     api::{
@@ -29,12 +31,29 @@ use crate::{
     placement::{self, Policy, PromptShape},
 };
 
-/// What happens to one choice, in order: any number of `Text`, then one `Done` or `Failed`.
+/// What happens to one choice, in order: `Started` (unless it failed before any worker took
+/// it), any number of `Text`, then one `Done` or `Failed`.
 #[derive(Debug)]
 pub enum ChoiceEvent {
-    Text { index: u32, text: String },
-    Done { index: u32, finish: pb::FinishReason, usage: pb::Usage },
-    Failed { index: u32, error: ApiError },
+    /// A worker accepted the request (once per choice, at its first acceptance).
+    Started {
+        index: u32,
+    },
+    /// Text and the number of tokens it took (text may lag its tokens, or come without any).
+    Text {
+        index: u32,
+        text: String,
+        tokens: u32,
+    },
+    Done {
+        index: u32,
+        finish: pb::FinishReason,
+        usage: pb::Usage,
+    },
+    Failed {
+        index: u32,
+        error: ApiError,
+    },
 }
 
 /// One choice to generate.
@@ -45,6 +64,9 @@ pub struct Choice {
     pub hashes: Arc<Vec<BlockHash>>,
     pub params: GenerationParams,
     pub cache_salt: Option<String>,
+    /// The request's span: every worker attempt is a child of it, so retries and migrations
+    /// show as sibling spans.
+    pub span: tracing::Span,
 }
 
 pub struct Dispatcher {
@@ -83,6 +105,7 @@ impl Dispatcher {
         // unfinished character, a possible stop string) is the difference to the tokens' text.
         let mut sent = String::new();
         let (mut retries, mut migrations) = (0u32, 0u32);
+        let mut started = false;
         let mut last_error = ApiError::Overloaded { reason: Overload::NoWorkers, retry_after: Duration::from_secs(1) };
         loop {
             let (prompt, hashes) = if generated.is_empty() {
@@ -93,11 +116,27 @@ impl Dispatcher {
                 (Arc::new(tokens), Arc::new(hashes))
             };
             let shape = PromptShape { tokens: prompt.len(), block_size: pool.block_size, hashes: &hashes };
+            let placement_span = tracing::info_span!(
+                parent: &choice.span,
+                "placement",
+                bellows.policy = self.policy.kind().as_str(),
+                bellows.candidates = Empty,
+                bellows.worker = Empty,
+                bellows.matched_blocks = Empty,
+                bellows.cost.uncached_tokens = Empty,
+                bellows.cost.queued_work = Empty,
+            );
             let Some(placed) = placement::place(pool, self.policy.as_ref(), shape, &tried, self.placement_memory)
             else {
                 // Nobody left to try: the last worker's error, or "no workers" if none was tried.
                 return Err(last_error);
             };
+            placement_span.record("bellows.candidates", placed.candidates);
+            placement_span.record("bellows.worker", placed.worker.node_id.as_str());
+            placement_span.record("bellows.matched_blocks", placed.cached_blocks);
+            placement_span.record("bellows.cost.uncached_tokens", placed.uncached_tokens);
+            placement_span.record("bellows.cost.queued_work", placed.queued_work);
+            drop(placement_span);
             self.metrics.placements.get_or_create(&PolicyLabels { policy: self.policy.kind().as_str() }).inc();
             if generated.is_empty() {
                 self.metrics.prompt_tokens.inc_by(prompt.len() as u64);
@@ -116,6 +155,26 @@ impl Dispatcher {
                 ignore_eos: choice.params.ignore_eos,
                 cache_salt: choice.cache_salt.clone(),
             };
+            let kind = match (generated.is_empty(), tried.len()) {
+                (true, 1) => "first",
+                (true, _) => "retry",
+                (false, _) => "migration",
+            };
+            let attempt = tracing::info_span!(
+                parent: &choice.span,
+                "worker.attempt",
+                otel.kind = "client",
+                otel.status_code = Empty,
+                rpc.system = "grpc",
+                rpc.method = "Generate",
+                server.address = %worker.address,
+                bellows.worker = %worker.node_id,
+                bellows.attempt = tried.len(),
+                bellows.attempt.kind = kind,
+                bellows.outcome = Empty,
+            );
+            let mut request = tonic::Request::new(request);
+            telemetry::inject(&attempt, request.metadata_mut());
             let mut pending = Some(worker.dispatch(prompt.len()));
             let mut client = worker.client();
             let opened = tokio::select! {
@@ -128,6 +187,12 @@ impl Dispatcher {
                 Ok(Ok(response)) => {
                     if let Some(p) = &pending {
                         p.accepted();
+                    }
+                    if !started {
+                        started = true;
+                        if tx.send(ChoiceEvent::Started { index }).await.is_err() {
+                            return Ok(());
+                        }
                     }
                     let mut stream = response.into_inner();
                     loop {
@@ -142,9 +207,11 @@ impl Dispatcher {
                                 // Started: no longer waiting, whatever the reports say.
                                 pending = None;
                                 generated.extend_from_slice(&delta.token_ids);
-                                if !delta.text.is_empty() {
+                                let tokens = delta.token_ids.len() as u32;
+                                if !delta.text.is_empty() || tokens > 0 {
                                     sent.push_str(&delta.text);
-                                    if tx.send(ChoiceEvent::Text { index, text: delta.text }).await.is_err() {
+                                    let event = ChoiceEvent::Text { index, text: delta.text, tokens };
+                                    if tx.send(event).await.is_err() {
                                         return Ok(());
                                     }
                                 }
@@ -159,6 +226,7 @@ impl Dispatcher {
                                 self.metrics.completion_tokens.inc_by(u64::from(usage.completion_tokens));
                                 self.metrics.cached_tokens.inc_by(u64::from(usage.cached_prompt_tokens));
                                 let finish = pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Stop);
+                                attempt.record("bellows.outcome", "finished");
                                 let _ = tx.send(ChoiceEvent::Done { index, finish, usage }).await;
                                 return Ok(());
                             }
@@ -170,10 +238,15 @@ impl Dispatcher {
                 }
             };
             drop(pending);
+            attempt.record("otel.status_code", "ERROR");
             let error = match failure {
-                Failure::Final(e) => return Err(e),
+                Failure::Final(e) => {
+                    attempt.record("bellows.outcome", "refused");
+                    return Err(e);
+                }
                 Failure::Retry(e) => e,
             };
+            attempt.record("bellows.outcome", "failed");
             tracing::warn!(worker = %worker.node_id, generated = generated.len(), "worker attempt failed: {error}");
             if generated.is_empty() {
                 retries += 1;
@@ -199,7 +272,7 @@ impl Dispatcher {
                 }
                 if let Some(held) = held_back(pool, &generated, &sent) {
                     sent.push_str(&held);
-                    if tx.send(ChoiceEvent::Text { index, text: held }).await.is_err() {
+                    if tx.send(ChoiceEvent::Text { index, text: held, tokens: 0 }).await.is_err() {
                         return Ok(());
                     }
                 }

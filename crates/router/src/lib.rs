@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod dispatch;
 pub mod metrics;
 pub mod placement;
+pub mod tenants;
 pub mod tokenize;
 
 use std::{
@@ -22,21 +23,70 @@ use std::{
 use anyhow::Context;
 
 use crate::{
-    admission::Admission, api::AppState, args::RouterArgs, cluster::Cluster, dispatch::Dispatcher, metrics::Metrics,
+    admission::Admission,
+    api::AppState,
+    args::RouterArgs,
+    cluster::Cluster,
+    dispatch::Dispatcher,
+    metrics::Metrics,
+    tenants::{AdminKey, FairQueue, FairQueueConfig, RELOAD_INTERVAL, Tenants, Usage},
     tokenize::TokenizerPool,
 };
 
-/// Build the router's state and start discovery (needs a tokio runtime).
-pub fn start(args: &RouterArgs) -> Arc<AppState> {
-    let metrics = Arc::new(Metrics::default());
-    let cluster = Cluster::new();
+/// How often the fair queue looks for room freed under the global cap.
+const FAIR_QUEUE_TICK: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Build the router's state and start discovery (needs a tokio runtime). `port` is the HTTP
+/// port, for the default router id.
+pub fn start(args: &RouterArgs, port: u16) -> anyhow::Result<Arc<AppState>> {
+    let usage = Arc::new(Usage::new());
+    let metrics = Metrics::new(&usage);
+    let cluster = Cluster::new(metrics.clone());
     cluster::discovery::join_static(&cluster, &args.static_workers());
+
+    let admin = args.admin_key_file.as_deref().map(AdminKey::from_file).transpose()?;
+    let tenants = match &args.tenants_file {
+        Some(path) => Tenants::from_file(path)?,
+        None => Tenants::disabled(),
+    };
+    let tenants = Arc::new(tenants.with_admin_key(admin));
+    tenants.spawn_reloader(RELOAD_INTERVAL);
+
     let etcd = args.etcd_endpoints();
     if !etcd.is_empty() {
-        tokio::spawn(cluster::discovery::follow_etcd(cluster.clone(), etcd, args.cluster.clone()));
+        tokio::spawn(cluster::discovery::follow_etcd(cluster.clone(), etcd.clone(), args.cluster.clone()));
+        let id = args.router_id.clone().unwrap_or_else(|| format!("{}-{port}", cluster::peers::hostname()));
+        let limits = tenants.clone();
+        tokio::spawn(cluster::peers::share_with_peers(etcd, args.cluster.clone(), id, move |routers| {
+            limits.limits().set_share(1.0 / routers.max(1) as f64)
+        }));
     }
+
+    let admission = Admission { max_waiting: args.max_waiting as u64 };
+    let fair_queue = (tenants.auth_enabled() && !args.fair_queue_timeout.is_zero()).then(|| {
+        let room = {
+            let cluster = cluster.clone();
+            move || admission.room(cluster.queue())
+        };
+        let config = FairQueueConfig {
+            max_queued_per_tenant: args.fair_queue_depth,
+            timeout: args.fair_queue_timeout,
+            ..FairQueueConfig::default()
+        };
+        let queue = Arc::new(FairQueue::new(config, room));
+        let pump = Arc::downgrade(&queue);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(FAIR_QUEUE_TICK);
+            while let Some(q) = pump.upgrade() {
+                q.pump();
+                drop(q);
+                tick.tick().await;
+            }
+        });
+        queue
+    });
     let threads = args.tokenizer_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
-    Arc::new(AppState {
+    Ok(Arc::new(AppState {
         dispatcher: Arc::new(Dispatcher {
             policy: placement::policy(args.policy),
             max_retries: args.max_retries,
@@ -46,12 +96,16 @@ pub fn start(args: &RouterArgs) -> Arc<AppState> {
             metrics: metrics.clone(),
         }),
         cluster,
-        admission: Admission { max_waiting: args.max_waiting as u64 },
+        admission,
         tokenizers: TokenizerPool::new(threads, args.tokenizer_queue),
         max_body_bytes: args.max_body_bytes,
         metrics,
         started_at: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
-    })
+        trace_text: args.trace_text,
+        tenants,
+        usage,
+        fair_queue,
+    }))
 }
 
 /// Serve until SIGTERM or SIGINT; in-flight requests finish first.
@@ -60,10 +114,10 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         !args.static_workers().is_empty() || !args.etcd_endpoints().is_empty(),
         "no workers to route to: give --workers host:port,... or --etcd-endpoints"
     );
-    let state = start(&args);
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let addr = listener.local_addr()?;
+    let state = start(&args, addr.port())?;
     tracing::info!(%addr, policy = args.policy.as_str(), "bellows-router listening");
     println!("bellows-router listening on http://{addr}");
     axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown_signal()).await?;

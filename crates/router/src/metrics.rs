@@ -1,12 +1,16 @@
 //! The router's Prometheus metrics (`GET /metrics`). Label sets are bounded: endpoints, status
-//! codes, reasons and policies are closed sets, and a model label only ever names a model the
-//! cluster serves.
+//! codes, reasons and policies are closed sets, a model label only ever names a model the
+//! cluster serves, a worker label a worker it knows, and tenants come from the tenants file.
+
+use std::sync::Arc;
 
 use prometheus_client::{
     encoding::{EncodeLabelSet, text::encode},
-    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
     registry::Registry,
 };
+
+use crate::tenants::Usage;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -25,6 +29,37 @@ pub struct PolicyLabels {
     pub policy: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub model: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabels {
+    pub worker: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ChangeLabels {
+    pub change: &'static str,
+}
+
+type Latency = Family<ModelLabels, Histogram>;
+
+fn seconds() -> Histogram {
+    Histogram::new(SECONDS.iter().copied())
+}
+
+fn gaps() -> Histogram {
+    Histogram::new(GAPS.iter().copied())
+}
+
+/// Seconds: 1 ms to 2 min, roughly doubling.
+const SECONDS: &[f64] =
+    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+/// Inter-token gaps: 1 ms to 2 s.
+const GAPS: &[f64] = &[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0];
+
 pub struct Metrics {
     registry: Registry,
     pub requests: Family<RequestLabels, Counter>,
@@ -36,12 +71,20 @@ pub struct Metrics {
     pub predicted_cached_tokens: Counter,
     pub cached_tokens: Counter,
     pub completion_tokens: Counter,
+    pub time_to_first_token: Latency,
+    pub inter_token_latency: Latency,
+    pub request_duration: Latency,
+    pub queue_time: Latency,
     pub workers: Gauge,
     pub placeable_workers: Gauge,
+    pub worker_waiting: Family<WorkerLabels, Gauge>,
+    pub worker_running: Family<WorkerLabels, Gauge>,
+    pub membership_changes: Family<ChangeLabels, Counter>,
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
+impl Metrics {
+    /// The router's metrics, plus the per-tenant usage counters.
+    pub fn new(usage: &Usage) -> Arc<Self> {
         let mut registry = Registry::with_prefix("bellows_router");
         let m = Metrics {
             requests: Family::default(),
@@ -53,46 +96,64 @@ impl Default for Metrics {
             predicted_cached_tokens: Counter::default(),
             cached_tokens: Counter::default(),
             completion_tokens: Counter::default(),
+            time_to_first_token: Family::new_with_constructor(seconds),
+            inter_token_latency: Family::new_with_constructor(gaps),
+            request_duration: Family::new_with_constructor(seconds),
+            queue_time: Family::new_with_constructor(seconds),
             workers: Gauge::default(),
             placeable_workers: Gauge::default(),
+            worker_waiting: Family::default(),
+            worker_running: Family::default(),
+            membership_changes: Family::default(),
             registry: Registry::default(),
         };
-        registry.register("requests", "Requests answered, by endpoint, model and HTTP status", m.requests.clone());
-        registry.register("refusals", "Requests refused for lack of capacity, by reason", m.refusals.clone());
-        registry.register(
-            "retries",
-            "Worker attempts retried on another worker before the first token",
-            m.retries.clone(),
-        );
-        registry.register(
-            "migrations",
-            "Streams moved to another worker after their worker failed",
-            m.migrations.clone(),
-        );
-        registry.register("placements", "Placement decisions, by policy", m.placements.clone());
-        registry.register("prompt_tokens", "Prompt tokens of placed requests", m.prompt_tokens.clone());
-        registry.register(
+        let r = &mut registry;
+        r.register("requests", "Requests answered, by endpoint, model and HTTP status", m.requests.clone());
+        r.register("refusals", "Requests refused before any worker ran them, by reason", m.refusals.clone());
+        r.register("retries", "Worker attempts retried on another worker before the first token", m.retries.clone());
+        r.register("migrations", "Streams moved to another worker after their worker failed", m.migrations.clone());
+        r.register("placements", "Placement decisions, by policy", m.placements.clone());
+        r.register("prompt_tokens", "Prompt tokens of placed requests", m.prompt_tokens.clone());
+        r.register(
             "predicted_cached_tokens",
             "Prompt tokens placement expected the chosen worker to have cached",
             m.predicted_cached_tokens.clone(),
         );
-        registry.register(
-            "cached_tokens",
-            "Prompt tokens workers served from their prefix cache",
-            m.cached_tokens.clone(),
+        r.register("cached_tokens", "Prompt tokens workers served from their prefix cache", m.cached_tokens.clone());
+        r.register("completion_tokens", "Tokens generated", m.completion_tokens.clone());
+        r.register(
+            "time_to_first_token_seconds",
+            "From the request's arrival to its first token",
+            m.time_to_first_token.clone(),
         );
-        registry.register("completion_tokens", "Tokens generated", m.completion_tokens.clone());
-        registry.register("workers", "Worker links known (placeable or not)", m.workers.clone());
-        registry.register(
+        r.register(
+            "inter_token_latency_seconds",
+            "Gaps between a stream's token deliveries",
+            m.inter_token_latency.clone(),
+        );
+        r.register("request_duration_seconds", "From arrival to the last token", m.request_duration.clone());
+        r.register("queue_time_seconds", "From arrival until a worker accepted the request", m.queue_time.clone());
+        r.register("workers", "Worker links known (placeable or not)", m.workers.clone());
+        r.register(
             "placeable_workers",
             "Workers that can take work (load stream up, not draining)",
             m.placeable_workers.clone(),
         );
-        Metrics { registry, ..m }
+        r.register(
+            "worker_waiting_requests",
+            "Requests waiting at each worker, as this router sees them",
+            m.worker_waiting.clone(),
+        );
+        r.register(
+            "worker_running_requests",
+            "Sequences running at each worker, as reported",
+            m.worker_running.clone(),
+        );
+        r.register("membership_changes", "Workers joining and leaving", m.membership_changes.clone());
+        usage.register(r);
+        Arc::new(Metrics { registry, ..m })
     }
-}
 
-impl Metrics {
     pub fn encode(&self) -> String {
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");

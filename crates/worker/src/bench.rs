@@ -77,6 +77,7 @@ fn run_stream(h: &EngineHandle, req: GenerateRequest, stop: Option<&AtomicBool>)
             }
             Event::Finished { usage, .. } => return Ok(Trace { submitted, tokens, usage }),
             Event::Failed { message } => bail!("request failed: {message}"),
+            Event::Progress(_) => {}
         }
     }
     bail!("stream ended without finishing")

@@ -220,6 +220,7 @@ impl EngineHandle {
             stop: req.stop,
             stop_ids: req.stop_token_ids,
             ignore_eos: req.ignore_eos,
+            progress: req.progress,
             reply,
         });
         if self.tx.send(Command::Submit(Box::new(seq))).is_err() {

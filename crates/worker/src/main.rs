@@ -80,7 +80,11 @@ fn main() -> Result<()> {
     }
     let cli = Cli::parse();
     // A node logs one line per request; the terminal tools only warnings.
-    let default_filter = if matches!(cli.cmd, Cmd::Serve(_)) { "info" } else { "warn" };
+    // A node sets up its own logging and tracing (bellows_common::telemetry) on its runtime.
+    if let Cmd::Serve(a) = cli.cmd {
+        return node::run(*a);
+    }
+    let default_filter = "warn";
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
@@ -91,7 +95,7 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Generate(a) => generate(a),
         Cmd::Bench(a) => bench::run(a),
-        Cmd::Serve(a) => node::run(*a),
+        Cmd::Serve(_) => unreachable!("handled above"),
     }
 }
 
@@ -152,6 +156,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 return Ok(());
             }
             Event::Failed { message } => bail!("generation failed: {message}"),
+            Event::Progress(_) => {}
         }
     }
     bail!("the engine stopped unexpectedly")

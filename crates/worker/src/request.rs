@@ -17,6 +17,8 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// Isolates this request's prefix-cache entries (per-tenant salt); `None` = shared.
     pub cache_salt: Option<String>,
+    /// Also stream [`Event::Progress`] (admission, prefill chunks), for tracing.
+    pub progress: bool,
 }
 
 impl GenerateRequest {
@@ -29,6 +31,7 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             cache_salt: None,
+            progress: false,
         }
     }
 }
@@ -62,6 +65,17 @@ pub enum Event {
     Finished { text: String, reason: FinishReason, usage: Usage },
     /// The model failed while running this request; nothing more follows.
     Failed { message: String },
+    /// Scheduling milestones before the first token, only when the request asked for them.
+    Progress(Progress),
+}
+
+/// What happened to a request before its first token (see [`GenerateRequest::progress`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// Left the waiting queue for the running set; its leading cached tokens are reused.
+    Admitted { cached_tokens: u32 },
+    /// A chunk of its prompt was prefilled in one step.
+    Prefilled { tokens: u32 },
 }
 
 /// Why a submission was refused before any model work. One variant per cause, so a service can

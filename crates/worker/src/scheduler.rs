@@ -31,7 +31,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::{
     kv_cache::{BlockId, BlockPool, KvEvent},
     model::{Backend, BatchRow},
-    request::{Event, FinishReason, Usage},
+    request::{Event, FinishReason, Progress, Usage},
     sampling::Sampler,
     stats::Stats,
     stop::{StopCheck, StopMatcher},
@@ -131,6 +131,8 @@ pub struct Sequence {
     detok: Detokenizer,
     stop_ids: Vec<u32>,
     ignore_eos: bool,
+    /// Send [`Event::Progress`] too.
+    progress: bool,
     reply: UnboundedSender<Event>,
 }
 
@@ -144,6 +146,7 @@ pub struct SequenceInit {
     pub stop: Vec<String>,
     pub stop_ids: Vec<u32>,
     pub ignore_eos: bool,
+    pub progress: bool,
     pub reply: UnboundedSender<Event>,
 }
 
@@ -165,6 +168,7 @@ impl Sequence {
             detok: Detokenizer::new(),
             stop_ids: i.stop_ids,
             ignore_eos: i.ignore_eos,
+            progress: i.progress,
             reply: i.reply,
         }
     }
@@ -232,6 +236,7 @@ impl Scheduler {
             self.pool.release(&s.blocks);
             s.blocks.clear();
             let _ = s.reply.send(Event::Failed { message: message.to_string() });
+            self.stats.requests_failed.fetch_add(1, Relaxed);
         }
         self.publish_gauges();
     }
@@ -285,7 +290,7 @@ impl Scheduler {
         if let Some(g) = &mut self.governor {
             g.observe(prefill_tokens, decode_tokens, took.as_secs_f64(), self.cfg.max_batch_tokens);
         }
-        self.stats.record_step(prefill_tokens, decode_tokens, took);
+        self.stats.record_step(prefill_tokens, decode_tokens, plan.len(), took);
         self.publish_gauges();
         true
     }
@@ -342,7 +347,12 @@ impl Scheduler {
                 s.counted_waiting = false;
                 s.cached_tokens = hit * bs;
                 self.stats.prefix_hit_tokens.fetch_add((hit * bs) as u64, Relaxed);
+                self.stats.prompt_tokens.fetch_add(s.prompt_len as u64, Relaxed);
                 self.stats.waiting_requests.fetch_sub(1, Relaxed);
+                if s.progress {
+                    let cached_tokens = s.cached_tokens as u32;
+                    let _ = s.reply.send(Event::Progress(Progress::Admitted { cached_tokens }));
+                }
             }
             self.running.push(s);
         }
@@ -417,6 +427,9 @@ impl Scheduler {
         let mut finished: Vec<usize> = Vec::new();
         for p in plan {
             let s = &mut self.running[p.seq];
+            if s.progress && s.tokens.len() == s.prompt_len {
+                let _ = s.reply.send(Event::Progress(Progress::Prefilled { tokens: p.len as u32 }));
+            }
             s.computed += p.len;
             while (s.hashes.len() + 1) * bs <= s.computed {
                 let i = s.hashes.len();
@@ -431,6 +444,7 @@ impl Scheduler {
             let t = s.sampler.sample(&mut row);
             s.sampler.observe(t);
             s.tokens.push(t);
+            self.stats.generated_tokens.fetch_add(1, Relaxed);
             if let Some((reason, flush)) = Self::emit(s, t, self.vocab.as_ref()) {
                 let text = if flush { Self::flush(s) } else { String::new() };
                 let _ = s.reply.send(Event::Finished { text, reason, usage: s.usage() });

@@ -54,6 +54,7 @@ fn collect(mut rx: EventStream) -> Outcome {
             }
             Event::Finished { text: t, reason, usage } => return Outcome { tokens, text: text + &t, reason, usage },
             Event::Failed { message } => panic!("request failed: {message}"),
+            Event::Progress(_) => {}
         }
     }
     panic!("stream closed without a final event")

@@ -44,6 +44,7 @@ async fn generate_over_grpc_gives_the_engines_own_greedy_tokens_and_model_info_t
                 break;
             }
             Event::Failed { message } => panic!("in-process engine failed: {message}"),
+            Event::Progress(_) => {}
         }
     }
     drop(engine);

@@ -50,6 +50,7 @@ fn collect(mut rx: bellows_worker::engine::EventStream) -> Outcome {
                 return Outcome { tokens, text: text + &t, reason, usage, first_token_at: first };
             }
             Event::Failed { message } => panic!("request failed: {message}"),
+            Event::Progress(_) => {}
         }
     }
     panic!("stream closed without a final event")

@@ -135,13 +135,14 @@ pub struct Process {
 }
 
 impl Process {
-    fn spawn(name: &'static str, bin: PathBuf, args: Vec<String>, addr: String) -> Process {
+    fn spawn(name: &'static str, bin: PathBuf, args: Vec<String>, addr: String, env: &[(&str, &str)]) -> Process {
         let dir = TempDir::new().unwrap();
         let log = dir.path().join(format!("{name}.log"));
         let file = File::create(&log).unwrap();
         let child = Command::new(&bin)
             .args(args)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(file.try_clone().unwrap())
             .stderr(file)
@@ -228,10 +229,21 @@ impl Worker {
     }
 
     pub fn spawn_bin<S: AsRef<str>>(bin: PathBuf, args: &[S]) -> Worker {
+        Worker::spawn_env(bin, args, &[])
+    }
+
+    /// Start a worker with extra environment variables, and wait until it is SERVING.
+    pub async fn start_env<S: AsRef<str>>(args: &[S], env: &[(&str, &str)]) -> Worker {
+        let w = Worker::spawn_env(binary("bellows-worker"), args, env);
+        w.wait_serving().await;
+        w
+    }
+
+    fn spawn_env<S: AsRef<str>>(bin: PathBuf, args: &[S], env: &[(&str, &str)]) -> Worker {
         let addr = format!("127.0.0.1:{}", free_port());
         let mut all = vec!["serve".to_string(), "--listen".into(), addr.clone()];
         all.extend(args.iter().map(|a| a.as_ref().to_string()));
-        Worker(Process::spawn("worker", bin, all, addr))
+        Worker(Process::spawn("worker", bin, all, addr, env))
     }
 
     pub async fn wait_serving(&self) {
@@ -270,10 +282,15 @@ pub struct Router {
 impl Router {
     /// Start a router on a free port with these arguments, and wait until it answers /health.
     pub async fn start<S: AsRef<str>>(args: &[S]) -> Router {
+        Router::start_env(args, &[]).await
+    }
+
+    /// Start a router with extra environment variables.
+    pub async fn start_env<S: AsRef<str>>(args: &[S], env: &[(&str, &str)]) -> Router {
         let addr = format!("127.0.0.1:{}", free_port());
         let mut all = vec!["--listen".to_string(), addr.clone()];
         all.extend(args.iter().map(|a| a.as_ref().to_string()));
-        let process = Process::spawn("router", binary("bellows-router"), all, addr.clone());
+        let process = Process::spawn("router", binary("bellows-router"), all, addr.clone(), env);
         let router = Router { process, url: format!("http://{addr}") };
         let http = reqwest::Client::new();
         let health = format!("{}/health", router.url);

@@ -7,7 +7,7 @@
 use std::{
     convert::Infallible,
     sync::Arc,
-    time::{SystemTime, UNIX_EPOCH},
+    time::{Instant, SystemTime, UNIX_EPOCH},
 };
 
 use axum::{
@@ -19,9 +19,10 @@ use axum::{
         sse::{Event, KeepAlive, Sse},
     },
 };
-use bellows_common::prefix_hash::BlockHash;
+use bellows_common::{prefix_hash::BlockHash, telemetry};
 use futures_util::{Stream, StreamExt, stream};
 use tokio::sync::mpsc;
+use tracing::{Instrument, Span, field::Empty};
 
 use super::{
     AppState,
@@ -32,7 +33,8 @@ use super::{
 use crate::{
     cluster::ModelPool,
     dispatch::{Choice, ChoiceEvent},
-    metrics::{ReasonLabels, RequestLabels},
+    metrics::{Metrics, ModelLabels, ReasonLabels, RequestLabels},
+    tenants::{Admission as LimitAdmission, ModelUsage, QueueRejection, Tenant, Turn},
 };
 
 pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -44,23 +46,73 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
 }
 
 async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Response {
-    let mut model = None;
-    let response = match complete(state, endpoint, headers, body, &mut model).await {
+    let (route, operation) = match endpoint {
+        Endpoint::ChatCompletions => ("/v1/chat/completions", "chat"),
+        Endpoint::Completions => ("/v1/completions", "text_completion"),
+    };
+    let span = tracing::info_span!(
+        "http.request",
+        otel.name = %format!("POST {route}"),
+        otel.kind = "server",
+        otel.status_code = Empty,
+        http.request.method = "POST",
+        http.route = route,
+        http.response.status_code = Empty,
+        gen_ai.operation.name = operation,
+        gen_ai.request.model = Empty,
+        gen_ai.request.max_tokens = Empty,
+        gen_ai.response.id = Empty,
+        gen_ai.response.finish_reasons = Empty,
+        gen_ai.usage.input_tokens = Empty,
+        gen_ai.usage.output_tokens = Empty,
+        gen_ai.usage.cached_input_tokens = Empty,
+        bellows.tenant = Empty,
+        bellows.request_id = Empty,
+        trace_id = Empty,
+    );
+    telemetry::continue_trace(&span, headers);
+    if let Some(id) = telemetry::trace_id(&span) {
+        span.record("trace_id", id);
+    }
+    let mut who = Caller::default();
+    let mut response = match complete(state, endpoint, headers, body, &mut who, &span).instrument(span.clone()).await {
         Ok(r) => r,
         Err(e) => {
-            if let ApiError::Overloaded { reason, .. } = &e {
-                state.metrics.refusals.get_or_create(&ReasonLabels { reason: reason.as_str() }).inc();
+            if let Some(reason) = e.refusal_reason() {
+                state.metrics.refusals.get_or_create(&ReasonLabels { reason }).inc();
+                let tenant = who.tenant.as_ref().map(|t| t.name.as_str());
+                state.usage.refused(tenant, who.model.as_deref(), reason);
             }
             e.into_response()
         }
     };
+    // Every answer to a known tenant carries its rate-limit state, errors included.
+    if let Some(tenant) = &who.tenant {
+        response.headers_mut().extend(state.tenants.limits().headers(tenant));
+    }
     let labels = RequestLabels {
         endpoint: endpoint.as_str(),
-        model: model.unwrap_or_default(),
+        model: who.model.unwrap_or_default(),
         status: response.status().as_u16(),
     };
     state.metrics.requests.get_or_create(&labels).inc();
+    span.record("http.response.status_code", response.status().as_u16());
+    if response.status().is_server_error() {
+        span.record("otel.status_code", "ERROR");
+    }
+    if response.status() != StatusCode::OK {
+        let _enter = span.enter();
+        tracing::info!(status = response.status().as_u16(), "request refused");
+    }
     response
+}
+
+/// Who asked, as far as the request got: for metrics, accounting and headers.
+#[derive(Default)]
+struct Caller {
+    tenant: Option<Arc<Tenant>>,
+    /// Set once the model is known to be served (so labels stay bounded).
+    model: Option<String>,
 }
 
 /// A prompt ready for the workers.
@@ -74,10 +126,30 @@ async fn complete(
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Body,
-    model_label: &mut Option<String>,
+    who: &mut Caller,
+    span: &Span,
 ) -> Result<Response, ApiError> {
-    if let Err(retry_after) = state.admission.check(state.cluster.queue()) {
-        return Err(ApiError::Overloaded { reason: Overload::QueueFull, retry_after });
+    let arrived = Instant::now();
+    let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    let tenant = state.tenants.authenticate(authorization).map_err(|_| ApiError::Unauthorized)?;
+    span.record("bellows.tenant", tenant.name.as_str());
+    who.tenant = Some(tenant.clone());
+    // Without fair sharing, the cap refuses at once, before the body is read. With it, the
+    // request queues for its fair share of the room below the cap (after tokenization, which
+    // gives its cost).
+    if state.fair_queue.is_none() {
+        let queue = state.cluster.queue();
+        let admitted = state.admission.check(queue);
+        tracing::info_span!(
+            "admission",
+            bellows.waiting_requests = queue.waiting_requests,
+            bellows.max_waiting = state.admission.max_waiting,
+            bellows.admitted = admitted.is_ok(),
+        )
+        .in_scope(|| {});
+        if let Err(retry_after) = admitted {
+            return Err(ApiError::Overloaded { reason: Overload::QueueFull, retry_after });
+        }
     }
     let limit = state.max_body_bytes;
     let declared =
@@ -93,20 +165,75 @@ async fn complete(
         }
     })?;
     let mut job = request::parse(endpoint, &bytes)?;
+    span.record("gen_ai.request.model", job.model.as_str());
+    if let Some(m) = job.params.max_tokens {
+        span.record("gen_ai.request.max_tokens", m);
+    }
     let pool = state.cluster.model(&job.model).ok_or_else(|| ApiError::ModelNotFound(job.model.clone()))?;
-    *model_label = Some(pool.name.clone());
+    who.model = Some(pool.name.clone());
 
     let input = std::mem::replace(&mut job.input, Input::Prompts(Vec::new()));
+    let trace_text = state.trace_text;
+    let cache_salt = tenant.cache_salt();
     let tokenized = {
         let pool = pool.clone();
-        state.tokenizers.run(move || tokenize(&pool, input, None)).await.map_err(|_| ApiError::Overloaded {
-            reason: Overload::TokenizerBusy,
-            retry_after: std::time::Duration::from_secs(1),
-        })??
+        let cache_salt = cache_salt.clone();
+        let tokenize_span = tracing::info_span!("tokenize", bellows.prompt_tokens = Empty, bellows.prompt = Empty);
+        let in_pool = tokenize_span.clone();
+        let result = state
+            .tokenizers
+            .run(move || in_pool.in_scope(|| tokenize(&pool, input, cache_salt.as_deref(), trace_text)))
+            .await
+            .map_err(|_| ApiError::Overloaded {
+                reason: Overload::TokenizerBusy,
+                retry_after: std::time::Duration::from_secs(1),
+            })??;
+        let tokens: usize = result.iter().map(|t| t.tokens.len()).sum();
+        tokenize_span.record("bellows.prompt_tokens", tokens);
+        result
     };
     check_against_model(&pool, &job, &tokenized)?;
 
+    // The tenant's own limits, then its turn under the global cap.
+    let prompt_tokens: usize = tokenized.iter().map(|t| t.tokens.len()).sum();
+    let limits = state.tenants.limits().admit(
+        &tenant,
+        &pool.name,
+        prompt_tokens as u64,
+        job.params.max_tokens.map(u64::from),
+    )?;
+    if job.params.max_tokens.is_none()
+        && let Some(cap) = limits.max_tokens()
+    {
+        // The tenant's cap stands in for an absent max_tokens, within the context.
+        let longest = tokenized.iter().map(|t| t.tokens.len()).max().unwrap_or(0);
+        let room = pool.context_length().saturating_sub(longest).max(1);
+        job.params.max_tokens = Some(cap.min(room as u64) as u32);
+    }
+    let turn = match &state.fair_queue {
+        None => None,
+        Some(queue) => {
+            let cost = prompt_tokens as u64 + u64::from(job.params.max_tokens.unwrap_or(0)) * u64::from(job.n);
+            let waited = queue.wait_turn(&tenant, cost).instrument(tracing::info_span!("admission.fair_queue")).await;
+            match waited {
+                Ok(turn) => Some(turn),
+                Err(rejection) => {
+                    limits.refund();
+                    let reason = match rejection {
+                        QueueRejection::Full { .. } => Overload::TenantQueueFull,
+                        QueueRejection::Timeout { .. } => Overload::QueueTimeout,
+                    };
+                    return Err(ApiError::Overloaded { reason, retry_after: rejection.retry_after() });
+                }
+            }
+        }
+    };
+    let usage = state.usage.model(&tenant.name, &pool.name);
+    usage.request(prompt_tokens as u64, 0);
+
     let id = new_id(endpoint);
+    span.record("gen_ai.response.id", id.as_str());
+    span.record("bellows.request_id", id.as_str());
     let (tx, rx) = mpsc::channel(64);
     let n = job.n;
     for (p, prompt) in tokenized.iter().enumerate() {
@@ -120,7 +247,8 @@ async fn complete(
                 prompt: prompt.tokens.clone(),
                 hashes: prompt.hashes.clone(),
                 params,
-                cache_salt: None,
+                cache_salt: cache_salt.clone(),
+                span: span.clone(),
             };
             state.dispatcher.spawn(pool.clone(), choice, tx.clone());
         }
@@ -134,6 +262,11 @@ async fn complete(
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         n,
         choices,
+        span: span.clone(),
+        trace_text,
+        arrived,
+        metrics: state.metrics.clone(),
+        accounting: Accounting { limits, usage, turn },
     };
     if job.stream { reply.stream(rx, job.include_usage).await } else { reply.whole(rx).await }
 }
@@ -149,7 +282,19 @@ fn is_length_limit(e: &axum::Error) -> bool {
     false
 }
 
-fn tokenize(pool: &ModelPool, input: Input, cache_salt: Option<&str>) -> Result<Vec<Tokenized>, ApiError> {
+fn tokenize(
+    pool: &ModelPool,
+    input: Input,
+    cache_salt: Option<&str>,
+    trace_text: bool,
+) -> Result<Vec<Tokenized>, ApiError> {
+    if trace_text {
+        let text = match &input {
+            Input::Chat(messages) => serde_json::to_string(messages).unwrap_or_default(),
+            Input::Prompts(prompts) => format!("{prompts:?}"),
+        };
+        Span::current().record("bellows.prompt", text);
+    }
     let prompts: Vec<Vec<u32>> = match input {
         Input::Chat(messages) => vec![pool.tokenizer.encode_chat(&messages)?],
         Input::Prompts(prompts) => prompts
@@ -233,9 +378,86 @@ struct Reply {
     created: u64,
     n: u32,
     choices: usize,
+    /// The request's span: it ends when the reply does (for a stream, when the stream does).
+    span: Span,
+    trace_text: bool,
+    arrived: Instant,
+    metrics: Arc<Metrics>,
+    accounting: Accounting,
+}
+
+/// What a request holds while it runs: its tenant's concurrency slot and token charges, its
+/// usage counters, and its turn under the global cap (given back once it started).
+struct Accounting {
+    limits: LimitAdmission,
+    usage: ModelUsage,
+    turn: Option<Turn>,
+}
+
+/// Token delivery times, for the latency histograms.
+#[derive(Default)]
+struct Timing {
+    first: Option<Instant>,
+    last: Option<Instant>,
 }
 
 impl Reply {
+    /// Account one event: tokens charged to the tenant as they stream, latencies observed.
+    fn observe(&mut self, event: &ChoiceEvent, timing: &mut Timing) {
+        let now = Instant::now();
+        let model = ModelLabels { model: self.model.clone() };
+        match event {
+            ChoiceEvent::Started { .. } => {
+                self.accounting.turn = None;
+                if timing.first.is_none() {
+                    self.metrics.queue_time.get_or_create(&model).observe((now - self.arrived).as_secs_f64());
+                }
+            }
+            ChoiceEvent::Text { tokens, .. } => {
+                self.accounting.limits.charge_completion(u64::from(*tokens));
+                self.accounting.usage.completion(u64::from(*tokens));
+                match timing.last {
+                    None => self
+                        .metrics
+                        .time_to_first_token
+                        .get_or_create(&model)
+                        .observe((now - self.arrived).as_secs_f64()),
+                    Some(last) => {
+                        self.metrics.inter_token_latency.get_or_create(&model).observe((now - last).as_secs_f64())
+                    }
+                }
+                timing.first.get_or_insert(now);
+                timing.last = Some(now);
+            }
+            ChoiceEvent::Done { usage, index, .. } => {
+                if index % self.n == 0 {
+                    self.accounting.usage.cached(u64::from(usage.cached_prompt_tokens));
+                }
+            }
+            ChoiceEvent::Failed { .. } => {}
+        }
+    }
+
+    fn finished(&self) {
+        let model = ModelLabels { model: self.model.clone() };
+        self.metrics.request_duration.get_or_create(&model).observe(self.arrived.elapsed().as_secs_f64());
+    }
+}
+
+impl Reply {
+    /// The usage and finish reasons on the request's span.
+    fn record(&self, usage: &UsageOut, finish: &[&str], text: Option<&str>) {
+        self.span.record("gen_ai.usage.input_tokens", usage.prompt_tokens);
+        self.span.record("gen_ai.usage.output_tokens", usage.completion_tokens);
+        self.span.record("gen_ai.usage.cached_input_tokens", usage.prompt_tokens_details.cached_tokens);
+        self.span.record("gen_ai.response.finish_reasons", finish.join(","));
+        if self.trace_text
+            && let Some(text) = text
+        {
+            telemetry::set_attribute(&self.span, "bellows.completion", text.to_string());
+        }
+    }
+
     fn header(&self, chunk: bool) -> Header<'_> {
         let object = match (self.endpoint, chunk) {
             (Endpoint::ChatCompletions, true) => "chat.completion.chunk",
@@ -245,13 +467,19 @@ impl Reply {
         Header { id: &self.id, object, created: self.created, model: &self.model }
     }
 
-    async fn whole(self, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
+    async fn whole(mut self, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
         let mut texts = vec![(String::new(), "stop"); self.choices];
         let mut usage = UsageOut::default();
         let mut open = self.choices;
+        let mut timing = Timing::default();
         while open > 0 {
-            match rx.recv().await {
-                Some(ChoiceEvent::Text { index, text }) => texts[index as usize].0.push_str(&text),
+            let event = rx.recv().await;
+            if let Some(e) = &event {
+                self.observe(e, &mut timing);
+            }
+            match event {
+                Some(ChoiceEvent::Started { .. }) => {}
+                Some(ChoiceEvent::Text { index, text, .. }) => texts[index as usize].0.push_str(&text),
                 Some(ChoiceEvent::Done { index, finish, usage: u }) => {
                     texts[index as usize].1 = response::finish_reason(finish);
                     usage.add(&u, index % self.n == 0);
@@ -261,6 +489,10 @@ impl Reply {
                 None => return Err(ApiError::WorkerFailed("a choice ended without an answer".into())),
             }
         }
+        let finishes: Vec<&str> = texts.iter().map(|(_, f)| *f).collect();
+        let all_text = texts.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>().join("\n");
+        self.record(&usage, &finishes, Some(&all_text));
+        self.finished();
         let body = response::completion(self.endpoint, &self.header(false), &texts, usage);
         Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
     }
@@ -268,17 +500,23 @@ impl Reply {
     /// Stream the choices as server-sent events. The HTTP status is decided by the first
     /// event: a request that fails before any output gets its proper error status, not a 200
     /// with an error inside.
-    async fn stream(self, mut rx: mpsc::Receiver<ChoiceEvent>, include_usage: bool) -> Result<Response, ApiError> {
-        let first = match rx.recv().await {
-            Some(ChoiceEvent::Failed { error, .. }) => return Err(error),
-            Some(event) => event,
-            None => return Err(ApiError::WorkerFailed("no choice produced anything".into())),
+    async fn stream(mut self, mut rx: mpsc::Receiver<ChoiceEvent>, include_usage: bool) -> Result<Response, ApiError> {
+        let mut timing = Timing::default();
+        let first = loop {
+            match rx.recv().await {
+                Some(ChoiceEvent::Failed { error, .. }) => return Err(error),
+                Some(event @ ChoiceEvent::Started { .. }) => self.observe(&event, &mut timing),
+                Some(event) => break event,
+                None => return Err(ApiError::WorkerFailed("no choice produced anything".into())),
+            }
         };
         let state = StreamState {
             reply: self,
             rx,
+            timing,
             pending: Some(first),
             opened: Vec::new(),
+            finishes: Vec::new(),
             usage: UsageOut::default(),
             include_usage,
             closed: 0,
@@ -291,9 +529,11 @@ impl Reply {
 struct StreamState {
     reply: Reply,
     rx: mpsc::Receiver<ChoiceEvent>,
+    timing: Timing,
     pending: Option<ChoiceEvent>,
     /// Chat choices whose opening chunk (the role) was sent.
     opened: Vec<u32>,
+    finishes: Vec<&'static str>,
     usage: UsageOut,
     include_usage: bool,
     closed: usize,
@@ -320,8 +560,12 @@ impl StreamState {
     fn step(&mut self, event: Option<ChoiceEvent>) -> Vec<String> {
         let endpoint = self.reply.endpoint;
         let mut out = Vec::with_capacity(2);
+        if let Some(e) = &event {
+            self.reply.observe(e, &mut self.timing);
+        }
         match event {
-            Some(ChoiceEvent::Text { index, text }) => {
+            Some(ChoiceEvent::Started { .. }) => {}
+            Some(ChoiceEvent::Text { index, text, .. }) => {
                 self.open(index, &mut out);
                 out.push(response::chunk(endpoint, &self.reply.header(true), index, false, Some(&text), None));
             }
@@ -330,8 +574,11 @@ impl StreamState {
                 let finish = response::finish_reason(finish);
                 out.push(response::chunk(endpoint, &self.reply.header(true), index, false, None, Some(finish)));
                 self.usage.add(&usage, index % self.reply.n == 0);
+                self.finishes.push(finish);
                 self.closed += 1;
                 if self.closed == self.reply.choices {
+                    self.reply.record(&self.usage, &self.finishes, None);
+                    self.reply.finished();
                     if self.include_usage {
                         out.push(response::usage_chunk(&self.reply.header(true), self.usage));
                     }
@@ -340,6 +587,7 @@ impl StreamState {
                 }
             }
             Some(ChoiceEvent::Failed { error, .. }) => {
+                self.reply.span.record("otel.status_code", "ERROR");
                 out.push(serde_json::to_string(&error.body()).expect("error bodies serialize"));
                 out.push("[DONE]".to_string());
                 self.finished = true;

@@ -14,6 +14,8 @@ use axum::{
 };
 use serde::Serialize;
 
+use crate::tenants::LimitError;
+
 /// Why the cluster could not take a request now (503). A bounded set: also a metrics label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Overload {
@@ -25,6 +27,10 @@ pub enum Overload {
     NoWorkers,
     /// Workers refused the request (their own queues are full) on every try.
     WorkersBusy,
+    /// The tenant's fair-share queue at this router is full.
+    TenantQueueFull,
+    /// The request waited its fair-share queue's timeout without getting a turn.
+    QueueTimeout,
 }
 
 impl Overload {
@@ -34,6 +40,8 @@ impl Overload {
             Overload::TokenizerBusy => "tokenizer_busy",
             Overload::NoWorkers => "no_workers",
             Overload::WorkersBusy => "workers_busy",
+            Overload::TenantQueueFull => "tenant_queue_full",
+            Overload::QueueTimeout => "queue_timeout",
         }
     }
 
@@ -43,6 +51,12 @@ impl Overload {
             Overload::TokenizerBusy => "The gateway is overloaded (tokenizer queue full); retry shortly.",
             Overload::NoWorkers => "No worker is currently available for this model; retry shortly.",
             Overload::WorkersBusy => "Every worker for this model is at capacity; retry after the time in Retry-After.",
+            Overload::TenantQueueFull => {
+                "Too many of your requests are waiting for capacity; retry after the time in Retry-After."
+            }
+            Overload::QueueTimeout => {
+                "The cluster had no capacity for this request in time; retry after the time in Retry-After."
+            }
         }
     }
 }
@@ -73,6 +87,13 @@ pub enum ApiError {
     /// Workers did not answer in time on every try (504).
     #[error("worker timed out")]
     WorkerTimeout,
+    /// No API key, or not a known one (401). Says nothing about which keys exist.
+    #[error("unauthorized")]
+    Unauthorized,
+    /// Over one of the tenant's own limits: model not allowed (403), max_tokens over its cap
+    /// (400), or a rate or concurrency limit (429 with Retry-After).
+    #[error("{0}")]
+    Limited(#[from] LimitError),
 }
 
 impl ApiError {
@@ -88,6 +109,26 @@ impl ApiError {
             ApiError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::WorkerFailed(_) => StatusCode::BAD_GATEWAY,
             ApiError::WorkerTimeout => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Limited(e) => e.status(),
+        }
+    }
+
+    /// A bounded label for refusal metrics; `None` for errors that are not refusals.
+    pub fn refusal_reason(&self) -> Option<&'static str> {
+        match self {
+            ApiError::Overloaded { reason, .. } => Some(reason.as_str()),
+            ApiError::Unauthorized => Some("unauthorized"),
+            ApiError::Limited(e) => Some(e.reason()),
+            _ => None,
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ApiError::Overloaded { retry_after, .. } => Some(*retry_after),
+            ApiError::Limited(e) => e.retry_after(),
+            _ => None,
         }
     }
 
@@ -142,6 +183,13 @@ impl ApiError {
             ApiError::WorkerTimeout => {
                 ("No model worker answered in time.".into(), "server_error", None, Some("worker_timeout"))
             }
+            ApiError::Unauthorized => (
+                "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.".into(),
+                "invalid_request_error",
+                None,
+                Some("invalid_api_key"),
+            ),
+            ApiError::Limited(e) => (e.message(), e.kind(), e.param().map(str::to_string), Some(e.code())),
         };
         ErrorBody { error: ErrorDetail { message, kind: kind.to_string(), param, code: code.map(str::to_string) } }
     }
@@ -169,8 +217,11 @@ pub fn retry_after_secs(d: Duration) -> u64 {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status(), Json(self.body())).into_response();
-        if let ApiError::Overloaded { retry_after, .. } = &self {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs(*retry_after)));
+        if let Some(retry_after) = self.retry_after() {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs(retry_after)));
+        }
+        if let ApiError::Unauthorized = self {
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
     }

@@ -10,13 +10,20 @@ use std::sync::Arc;
 use axum::{
     Json, Router,
     extract::State,
-    http::{Method, StatusCode, Uri, header},
+    http::{HeaderMap, Method, StatusCode, Uri, header},
     response::{IntoResponse, Response},
     routing::{get, post},
 };
 use serde_json::json;
 
-use crate::{admission::Admission, cluster::Cluster, dispatch::Dispatcher, metrics::Metrics, tokenize::TokenizerPool};
+use crate::{
+    admission::Admission,
+    cluster::Cluster,
+    dispatch::Dispatcher,
+    metrics::Metrics,
+    tenants::{FairQueue, Tenants, Usage},
+    tokenize::TokenizerPool,
+};
 use error::ApiError;
 
 /// Everything a request handler needs; shared by all connections.
@@ -29,6 +36,13 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Unix seconds the router started (the `created` of its model list).
     pub started_at: u64,
+    /// Put prompt and completion text on spans (`--trace-text`).
+    pub trace_text: bool,
+    /// Who may call, and their limits (auth off: everyone is the anonymous tenant).
+    pub tenants: Arc<Tenants>,
+    pub usage: Arc<Usage>,
+    /// Fair sharing at the global cap (with a tenants file); `None`: refuse at the cap at once.
+    pub fair_queue: Option<Arc<FairQueue>>,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -39,6 +53,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
+        .route("/admin/usage", get(admin_usage))
         .fallback(unknown_route)
         .method_not_allowed_fallback(unknown_route)
         .with_state(state)
@@ -77,10 +92,21 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    state.metrics.workers.set(state.cluster.node_ids().len() as i64);
-    state.metrics.placeable_workers.set(state.cluster.placeable_workers() as i64);
+    state.cluster.export_worker_gauges();
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.encode())
         .into_response()
+}
+
+/// Usage per tenant and model, for the holder of the admin key.
+async fn admin_usage(State(state): State<Arc<AppState>>, method: Method, uri: Uri, headers: HeaderMap) -> Response {
+    if !state.tenants.admin_enabled() {
+        return unknown_route(method, uri).await.into_response();
+    }
+    let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    if !state.tenants.check_admin(authorization) {
+        return ApiError::Unauthorized.into_response();
+    }
+    Json(state.usage.snapshot_json()).into_response()
 }
 
 async fn unknown_route(method: Method, uri: Uri) -> ApiError {

@@ -7,6 +7,7 @@
 
 pub mod discovery;
 pub mod link;
+pub mod peers;
 pub mod pool;
 
 use std::{
@@ -18,6 +19,8 @@ use std::{
 };
 
 use bellows_proto::worker::v1 as pb;
+
+use crate::metrics::{ChangeLabels, Metrics, WorkerLabels};
 
 pub use link::{Dispatched, Load, WorkerLink};
 pub use pool::ModelPool;
@@ -35,8 +38,8 @@ pub struct QueueView {
     pub prefill_tokens_per_s: f64,
 }
 
-#[derive(Default)]
 pub struct Cluster {
+    metrics: Arc<Metrics>,
     next_id: AtomicU64,
     /// By node id.
     links: RwLock<HashMap<String, Arc<WorkerLink>>>,
@@ -45,8 +48,8 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    pub fn new() -> Arc<Self> {
-        Arc::new(Cluster::default())
+    pub fn new(metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(Cluster { metrics, next_id: AtomicU64::new(0), links: RwLock::default(), models: RwLock::default() })
     }
 
     /// A worker joined (or moved to a new address).
@@ -59,6 +62,7 @@ impl Cluster {
         match WorkerLink::spawn(id, node_id, address, Arc::downgrade(self)) {
             Ok(link) => {
                 tracing::info!(worker = node_id, address, "worker joined");
+                self.metrics.membership_changes.get_or_create(&ChangeLabels { change: "join" }).inc();
                 if let Some(old) = links.insert(node_id.to_string(), link) {
                     self.detach(&old);
                 }
@@ -72,6 +76,7 @@ impl Cluster {
         let removed = self.links.write().expect("links lock").remove(node_id);
         if let Some(link) = removed {
             tracing::info!(worker = node_id, "worker left");
+            self.metrics.membership_changes.get_or_create(&ChangeLabels { change: "leave" }).inc();
             self.detach(&link);
         }
     }
@@ -130,9 +135,19 @@ impl Cluster {
         m
     }
 
-    /// Workers that can take work now.
-    pub fn placeable_workers(&self) -> usize {
-        self.links.read().expect("links lock").values().filter(|l| l.load().is_some()).count()
+    /// Refresh the per-worker gauges (at scrape time).
+    pub fn export_worker_gauges(&self) {
+        let links = self.links.read().expect("links lock");
+        self.metrics.workers.set(links.len() as i64);
+        self.metrics.placeable_workers.set(links.values().filter(|l| l.load().is_some()).count() as i64);
+        self.metrics.worker_waiting.clear();
+        self.metrics.worker_running.clear();
+        for link in links.values() {
+            let load = link.load().unwrap_or_default();
+            let labels = WorkerLabels { worker: link.node_id.clone() };
+            self.metrics.worker_waiting.get_or_create(&labels).set(i64::from(load.waiting_requests));
+            self.metrics.worker_running.get_or_create(&labels).set(i64::from(load.running));
+        }
     }
 
     /// At least one model has a worker that can take work.

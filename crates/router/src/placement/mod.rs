@@ -68,6 +68,9 @@ pub struct Placement {
     pub worker: Arc<WorkerLink>,
     pub cached_blocks: usize,
     pub candidates: usize,
+    /// The chosen worker's score parts (see [`score`]), for traces.
+    pub uncached_tokens: f64,
+    pub queued_work: f64,
 }
 
 /// Choose a worker of `pool` for a prompt, skipping `exclude` (workers this request already
@@ -103,7 +106,13 @@ pub fn place(
     if policy.uses_prefix_cache() && !prompt.hashes.is_empty() {
         pool.index.lock().expect("prefix index lock").remember(chosen.worker, prompt.hashes, memory, now);
     }
-    Some(Placement { worker: links[i].clone(), cached_blocks: chosen.cached_blocks, candidates: candidates.len() })
+    Some(Placement {
+        worker: links[i].clone(),
+        cached_blocks: chosen.cached_blocks,
+        candidates: candidates.len(),
+        uncached_tokens: score::uncached_tokens(chosen, prompt),
+        queued_work: score::queued_work(chosen),
+    })
 }
 
 /// The candidate with the lowest `cost`; ties go to the first at or after `start` (rotating

@@ -3,7 +3,7 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use bellows_common::duration::parse_duration;
+use bellows_common::{duration::parse_duration, telemetry::LogFormat};
 use clap::{Args, ValueEnum};
 
 use crate::{engine::EngineConfig, load::ModelArgs, model::sim::SimConfig, scheduler::SchedulerConfig};
@@ -38,6 +38,11 @@ pub struct ServeArgs {
     /// Address the gRPC server listens on (port 0: any free port, logged at start).
     #[arg(long, env = "BELLOWS_LISTEN", default_value = "0.0.0.0:50051")]
     pub listen: SocketAddr,
+    /// Address of the Prometheus metrics endpoint, `GET /metrics` (port 0: any free port, logged
+    /// at start) [default: 0.0.0.0:9091; when that default cannot be bound the node serves
+    /// without metrics and logs a warning, while an address given explicitly must bind].
+    #[arg(long, env = "BELLOWS_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// host:port routers use to reach this node [default: the listen address, with this host's
     /// name in place of an unspecified IP such as 0.0.0.0].
     #[arg(long, env = "BELLOWS_ADVERTISE_ADDRESS")]
@@ -75,6 +80,9 @@ pub struct ServeArgs {
     /// default.
     #[arg(long, env = "BELLOWS_ITL_SLOWDOWN")]
     pub itl_slowdown: Option<f64>,
+    /// Log format: text or json.
+    #[arg(long, env = "BELLOWS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     /// Log each request's prompt (decoded) with its summary line. Off: prompt text is never
     /// logged.
     #[arg(long, env = "BELLOWS_LOG_PROMPTS")]

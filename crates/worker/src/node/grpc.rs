@@ -18,6 +18,7 @@ use std::{
     time::Instant,
 };
 
+use bellows_common::telemetry;
 use bellows_proto::worker::v1::{self as pb, generate_response::Kind, worker_server::Worker};
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -30,7 +31,7 @@ use super::{
 };
 use crate::{
     engine::{EngineHandle, EventStream},
-    request::{Event, FinishReason, GenerateRequest, Usage},
+    request::{Event, FinishReason, GenerateRequest, Progress, Usage},
     sampling::SamplingParams,
     tokenizer::ModelTokenizer,
 };
@@ -85,6 +86,22 @@ impl Worker for WorkerService {
     type WatchLoadStream = LoadStream;
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let span = tracing::info_span!(
+            "worker.generate",
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            rpc.system = "grpc",
+            rpc.service = "bellows.worker.v1.Worker",
+            rpc.method = "Generate",
+            bellows.node = %self.0.node_id,
+            bellows.request_id = tracing::field::Empty,
+            bellows.prompt_tokens = request.get_ref().prompt_token_ids.len(),
+            gen_ai.request.max_tokens = request.get_ref().max_tokens,
+            gen_ai.usage.cached_input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            gen_ai.response.finish_reasons = tracing::field::Empty,
+        );
+        telemetry::continue_grpc_trace(&span, request.metadata());
         let req = request.into_inner();
         let in_flight = self.0.lifecycle.admit()?;
         let ready = self.ready()?;
@@ -99,15 +116,20 @@ impl Worker for WorkerService {
             Some(t) => t.decode(&engine_req.prompt),
             None => format!("{:?}", engine_req.prompt),
         });
+        span.record("bellows.request_id", id.as_str());
         let events = ready.engine.submit(engine_req).map_err(|e| {
             tracing::debug!(request_id = %id, error = %e, "refused");
+            span.record("otel.status_code", "ERROR");
             NodeError::Submit(e)
         })?;
+        let phase = Some(tracing::info_span!(parent: &span, "queue"));
         Ok(Response::new(GenerateStream {
             events,
             out: VecDeque::new(),
             done: false,
             log: RequestLog { id, prompt_text, started: Instant::now(), first_token: None, tokens: 0 },
+            span,
+            phase,
             _in_flight: in_flight,
         }))
     }
@@ -152,6 +174,7 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
         stop_token_ids: r.stop_token_ids,
         ignore_eos: r.ignore_eos,
         cache_salt: r.cache_salt,
+        progress: true,
     })
 }
 
@@ -193,6 +216,11 @@ pub struct GenerateStream {
     /// The engine's last event for this request has been taken.
     done: bool,
     log: RequestLog,
+    /// The request's span (a child of the router's, when it sent a trace context), and the
+    /// phase it is in: `queue` until admitted, `prefill` until the first token, then `decode`.
+    /// Replacing the phase ends the previous one.
+    span: tracing::Span,
+    phase: Option<tracing::Span>,
     _in_flight: InFlight,
 }
 
@@ -211,7 +239,23 @@ impl GenerateStream {
 
     fn absorb(&mut self, ev: Event) {
         match ev {
+            Event::Progress(Progress::Admitted { cached_tokens }) => {
+                self.span.record("gen_ai.usage.cached_input_tokens", cached_tokens);
+                self.phase =
+                    Some(tracing::info_span!(parent: &self.span, "prefill", bellows.cached_tokens = cached_tokens));
+            }
+            Event::Progress(Progress::Prefilled { tokens }) => {
+                if let Some(phase) = &self.phase {
+                    telemetry::span_event(phase, "prefill_chunk", &[("tokens", i64::from(tokens))]);
+                }
+            }
             Event::Token { id, text } => {
+                if self.log.first_token.is_none() {
+                    let decode =
+                        tracing::info_span!(parent: &self.span, "decode", bellows.tokens = tracing::field::Empty);
+                    telemetry::span_event(&decode, "first_token", &[]);
+                    self.phase = Some(decode);
+                }
                 self.log.first_token.get_or_insert_with(Instant::now);
                 self.log.tokens += 1;
                 let d = self.delta();
@@ -223,6 +267,11 @@ impl GenerateStream {
                     self.delta().text.push_str(&text);
                 }
                 self.log.finished(reason, &usage);
+                self.span.record("gen_ai.usage.output_tokens", usage.completion_tokens);
+                self.span.record("gen_ai.response.finish_reasons", format!("{reason:?}").to_lowercase());
+                if let Some(phase) = self.phase.take() {
+                    phase.record("bellows.tokens", usage.completion_tokens);
+                }
                 let finished = pb::Finished {
                     reason: finish_reason(reason) as i32,
                     usage: Some(pb::Usage {
@@ -236,6 +285,8 @@ impl GenerateStream {
             }
             Event::Failed { message } => {
                 tracing::warn!(request_id = %self.log.id, error = %message, "request failed");
+                self.span.record("otel.status_code", "ERROR");
+                self.phase = None;
                 self.out.push_back(Err(NodeError::ModelFailed(message).into()));
                 self.done = true;
             }
@@ -248,7 +299,8 @@ impl Stream for GenerateStream {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
-        if this.out.is_empty() && !this.done {
+        // Progress events send nothing: keep reading until there is a message or the end.
+        while this.out.is_empty() && !this.done {
             match this.events.poll_recv(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(None) => this.absorb(Event::Failed { message: "the engine stopped".into() }),

@@ -13,12 +13,14 @@
 //!
 //! One concern per module: [`args`] (flags), [`model`] (starting the engine, ModelInfo),
 //! [`grpc`] (the service), [`load_report`] (WatchLoad), [`registration`] (etcd), [`drain`]
-//! (lifecycle and admission), [`status`] (errors to gRPC codes).
+//! (lifecycle and admission), [`status`] (errors to gRPC codes), [`metrics`] (Prometheus
+//! `/metrics` on its own port).
 
 pub mod args;
 pub mod drain;
 pub mod grpc;
 pub mod load_report;
+pub mod metrics;
 pub mod model;
 pub mod registration;
 pub mod status;
@@ -26,7 +28,7 @@ pub mod status;
 use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context, Result};
-use bellows_common::cluster::{WorkerRecord, worker_key};
+use bellows_common::cluster::{WorkerRecord, hostname, worker_key};
 use bellows_proto::worker::v1::worker_server::WorkerServer;
 use tonic::transport::{Server, server::TcpIncoming};
 use tonic_health::{ServingStatus, server::HealthReporter};
@@ -34,6 +36,7 @@ use tonic_health::{ServingStatus, server::HealthReporter};
 pub use args::ServeArgs;
 use drain::{Lifecycle, Phase, Signals};
 use grpc::{Ready, WorkerService};
+use metrics::{Counted, NodeMetrics};
 use registration::{Registration, RegistrationConfig};
 
 /// How long the server may take to close its connections once every request is done.
@@ -42,7 +45,13 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Run a node until it is stopped by a signal.
 pub fn run(args: ServeArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let result = rt.block_on(serve(args));
+    let result = rt.block_on(async {
+        let telemetry = bellows_common::telemetry::init("bellows-worker", args.log_format);
+        let result = serve(args).await;
+        // Flushing blocks on the exporter: off the async threads.
+        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+        result
+    });
     // A model load interrupted by a signal is still running on a blocking thread: do not wait.
     rt.shutdown_timeout(Duration::from_millis(100));
     result
@@ -62,9 +71,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::NotServing).await;
     let service = WorkerService::new(node_id.clone(), lifecycle.clone(), args.log_prompts);
+    let node_metrics = NodeMetrics::new();
+    let metrics_server = metrics::serve(args.metrics_listen, node_metrics.clone()).await?;
     let server = {
         let closed = lifecycle.clone();
-        let router = Server::builder().add_service(health_service).add_service(WorkerServer::new(service.clone()));
+        let counted = Counted { inner: service.clone(), metrics: node_metrics.clone() };
+        let router = Server::builder().add_service(health_service).add_service(WorkerServer::new(counted));
         tokio::spawn(async move {
             router.serve_with_incoming_shutdown(TcpIncoming::from(listener), async move { closed.closed().await }).await
         })
@@ -97,6 +109,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         block_size = record.block_size,
         "model loaded"
     );
+    node_metrics.set_engine(handle.clone());
     service.set_ready(Ready {
         load: load_report::spawn_sampler(handle.clone(), caps, lifecycle.clone()),
         engine: handle,
@@ -131,6 +144,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         Ok(served) => served?.context("the gRPC server failed")?,
         Err(_) => tracing::warn!("connections still open after the drain; closing them"),
     }
+    if let Some(m) = metrics_server {
+        m.abort();
+    }
     tracing::info!("stopped");
     Ok(())
 }
@@ -139,16 +155,6 @@ async fn set_health(health: &HealthReporter, status: ServingStatus) {
     // "" is the whole server, as orchestrators probe it; the service name for clients that ask.
     health.set_service_status("", status).await;
     health.set_service_status(<WorkerServer<WorkerService> as tonic::server::NamedService>::NAME, status).await;
-}
-
-/// This host's name, for default node ids and advertised addresses.
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "worker".into())
 }
 
 /// The listen address, with the host's name in place of an unspecified IP.
