@@ -88,7 +88,11 @@ def print_overhead(groups):
               f"| {pair(m(key, 'latency_ms', 'p50'), m(key, 'latency_ms', 'p99'))} "
               f"| {pair(m(key, 'ttft_ms', 'p50'), m(key, 'ttft_ms', 'p99'))} | {cpu_s} "
               f"| {pair(lat1, ttft1) if one in groups else '-'} | {added} |")
-    print()
+    # At 1 connection the benchmark itself keeps the machine under 20% busy: more means other
+    # work shared the machine during that run.
+    shared = [f"{'|'.join(k)} run {run} ({r['machine_cpu_busy']:.0%})" for k, rs in groups.items() if k[3] == "1"
+              for run, r in rs if r["machine_cpu_busy"] > 0.3]
+    print(f"\nRuns at 1 connection that shared the machine with other work: {', '.join(shared) or 'none'}\n")
 
 
 def print_placement(groups):

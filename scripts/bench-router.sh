@@ -14,8 +14,10 @@
 # target/bench-router), a table is printed at the end.
 #   usage: scripts/bench-router.sh [overhead|placement|all]
 #   env:   REQUESTS (overhead, per run, default 10000), PLACEMENT_REQUESTS (default 4000),
-#          RUNS (repeats of each part, default 1; the table shows medians), QUICKACK=1 (run in a private network namespace
-#          whose loopback acknowledges at once: see "Delayed ACKs" in docs/BENCHMARKS.md; root)
+#          PLACEMENT_CONNECTIONS (default 64: the workers' queues stay full),
+#          RUNS (repeats of each part, default 1; the table shows medians),
+#          QUICKACK=1 (run in a private network namespace whose loopback acknowledges at once: see
+#          "Delayed ACKs" in docs/BENCHMARKS.md; needs root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-all}"
@@ -55,6 +57,7 @@ results="$out/results.jsonl"
 : >"$results"
 requests="${REQUESTS:-10000}"
 placement_requests="${PLACEMENT_REQUESTS:-4000}"
+placement_connections="${PLACEMENT_CONNECTIONS:-64}"
 runs="${RUNS:-1}"
 export RUST_LOG=warn
 pids=()
@@ -99,9 +102,27 @@ wait_ready() {
     return 1
 }
 
+# Processes that are not niced (another benchmark, a test's workers) are not paused by quiet.sh:
+# wait, up to 2 minutes, until the machine has been nearly idle for a second before measuring.
+# Each result also records the machine's busy share during its run.
+wait_idle() {
+    local busy
+    for _ in $(seq 120); do
+        busy=$(python3 -c 'import time
+def t():
+    v = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+    return sum(v) - v[3] - v[4], sum(v)
+b0, t0 = t(); time.sleep(1); b1, t1 = t()
+print(round(100 * (b1 - b0) / max(1, t1 - t0)))')
+        ((busy < 15)) && return 0
+    done
+    echo "warning: the machine is still ${busy}% busy with other work" >&2
+}
+
 # load LABEL ARGS...: one measured run, its JSON line kept and shown.
 load() {
     echo "== $1" >&2
+    wait_idle
     "$bin/bellows-bench" load --label "$1" "${@:2}" | tee -a "$results"
 }
 
@@ -212,8 +233,9 @@ placement_run() { # ROUTER POLICY RUN
     fi
     local router=$last_pid
     wait_ready "http://127.0.0.1:$r"
-    load "placement|$3|$1|$2|text|64|stream" --target "http://127.0.0.1:$r" --workload shared-prefix \
-        --prompt-format text --stream --connections 64 --requests "$placement_requests" --max-tokens 32 \
+    load "placement|$3|$1|$2|text|$placement_connections|stream" --target "http://127.0.0.1:$r" \
+        --workload shared-prefix --prompt-format text --stream --connections "$placement_connections" \
+        --requests "$placement_requests" --max-tokens 32 \
         --watch "$list" --cpu-pid "$router"
     if [[ $1 == bellows ]]; then
         # What placement expected to be cached, next to what the workers reported.

@@ -22,7 +22,8 @@ trap cleanup EXIT INT TERM
 
 workers=()
 for p in ${BELLOWS_WORKER_PORTS:-50051 50052}; do
-    "$bin/bellows-worker" serve --engine gguf --model-id "$model" --listen "127.0.0.1:$p" >"$logs/worker-$p.log" 2>&1 &
+    "$bin/bellows-worker" serve --engine gguf --model-id "$model" --listen "127.0.0.1:$p" \
+        --metrics-listen "127.0.0.1:$((p + 1000))" >"$logs/worker-$p.log" 2>&1 &
     pids+=($!)
     workers+=("127.0.0.1:$p")
 done
@@ -44,6 +45,6 @@ Bellows is up: OpenAI API at http://127.0.0.1:$port/v1 (model "$model", ${#worke
 
   python3 -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:$port/v1", api_key="none"); print(c.chat.completions.create(model="$model", messages=[{"role": "user", "content": "Hi!"}]).choices[0].message.content)'
 
-Ctrl-C stops the cluster.
+Metrics: http://127.0.0.1:$port/metrics (router), each worker on its gRPC port + 1000. Ctrl-C stops the cluster.
 MSG
 wait "${pids[@]}"

@@ -9,7 +9,13 @@
 //! by what it sends between two load reports (docs/BENCHMARKS.md measures it). Each worker's
 //! own `--max-waiting` stays the hard backstop.
 
-use std::time::Duration;
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use crate::cluster::QueueView;
 
@@ -17,20 +23,46 @@ use crate::cluster::QueueView;
 const FALLBACK_PREFILL_TOKENS_PER_S: f64 = 1000.0;
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Admission {
     pub max_waiting: u64,
+    /// Requests admitted here and not yet handed to a worker: not in any worker's load yet, so
+    /// counted here. Without them a burst arriving at once would all pass the check before the
+    /// first one reaches a worker.
+    admitting: Arc<AtomicU64>,
+}
+
+/// A request admitted under the cap and not yet handed to a worker; dropping it (once a worker
+/// took the request, or it failed) stops counting it here.
+#[derive(Debug)]
+pub struct Ticket(Arc<AtomicU64>);
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Admission {
+    pub fn new(max_waiting: u64) -> Self {
+        Admission { max_waiting, admitting: Arc::default() }
+    }
+
+    /// Admit one request if the cluster's queue, with the requests this router is admitting,
+    /// is below the cap; `Err(retry_after)` otherwise.
+    pub fn admit(&self, queue: QueueView) -> Result<Ticket, Duration> {
+        let admitted = self.admitting.fetch_update(Ordering::AcqRel, Ordering::Acquire, |a| {
+            (queue.waiting_requests + a < self.max_waiting).then_some(a + 1)
+        });
+        match admitted {
+            Ok(_) => Ok(Ticket(self.admitting.clone())),
+            Err(_) => Err(retry_after(queue)),
+        }
+    }
+
     /// How many more requests the cluster's queue has room for.
     pub fn room(&self, queue: QueueView) -> usize {
         self.max_waiting.saturating_sub(queue.waiting_requests) as usize
-    }
-
-    /// `Err(retry_after)` when the cluster's queue is full.
-    pub fn check(&self, queue: QueueView) -> Result<(), Duration> {
-        if queue.waiting_requests < self.max_waiting { Ok(()) } else { Err(retry_after(queue)) }
     }
 }
 
@@ -48,10 +80,20 @@ mod tests {
 
     #[test]
     fn the_cap_refuses_at_max_waiting_not_after() {
-        let a = Admission { max_waiting: 4 };
+        let a = Admission::new(4);
         let q = |n| QueueView { waiting_requests: n, waiting_tokens: n * 100, prefill_tokens_per_s: 1000.0 };
-        assert!(a.check(q(3)).is_ok());
-        assert!(a.check(q(4)).is_err());
+        assert!(a.admit(q(3)).is_ok());
+        assert!(a.admit(q(4)).is_err());
+    }
+
+    #[test]
+    fn a_burst_cannot_pass_the_cap_before_its_requests_reach_a_worker() {
+        let a = Admission::new(3);
+        let idle = QueueView::default();
+        let held: Vec<Ticket> = (0..3).map(|_| a.admit(idle).expect("room for three")).collect();
+        assert!(a.admit(idle).is_err(), "the workers report nothing yet, but three are being admitted");
+        drop(held);
+        assert!(a.admit(idle).is_ok(), "handed to workers (now in their counts), the tickets free");
     }
 
     #[test]

@@ -175,7 +175,10 @@ impl Dispatcher {
             );
             let mut request = tonic::Request::new(request);
             telemetry::inject(&attempt, request.metadata_mut());
-            let mut pending = Some(worker.dispatch(prompt.len()));
+            // Until the worker's reports show it, the request adds the prefill it will really
+            // cost there: the prompt minus the blocks placement expects it to find cached.
+            let mut pending =
+                Some(worker.dispatch(prompt.len().saturating_sub(placed.cached_blocks * pool.block_size)));
             let mut client = worker.client();
             let opened = tokio::select! {
                 r = tokio::time::timeout(self.worker_timeout, client.generate(request)) => r,
@@ -247,7 +250,14 @@ impl Dispatcher {
                 Failure::Retry(e) => e,
             };
             attempt.record("bellows.outcome", "failed");
-            tracing::warn!(worker = %worker.node_id, generated = generated.len(), "worker attempt failed: {error}");
+            tracing::warn!(
+                parent: &attempt,
+                request_id = %choice.request_id,
+                trace_id = telemetry::trace_id(&choice.span).as_deref(),
+                worker = %worker.node_id,
+                generated = generated.len(),
+                "worker attempt failed: {error}"
+            );
             if generated.is_empty() {
                 retries += 1;
                 if retries > self.max_retries {

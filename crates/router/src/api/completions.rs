@@ -31,6 +31,7 @@ use super::{
     response::{self, Header, UsageOut},
 };
 use crate::{
+    admission::Ticket,
     cluster::ModelPool,
     dispatch::{Choice, ChoiceEvent},
     metrics::{Metrics, ModelLabels, ReasonLabels, RequestLabels},
@@ -137,9 +138,9 @@ async fn complete(
     // Without fair sharing, the cap refuses at once, before the body is read. With it, the
     // request queues for its fair share of the room below the cap (after tokenization, which
     // gives its cost).
-    if state.fair_queue.is_none() {
+    let ticket = if state.fair_queue.is_none() {
         let queue = state.cluster.queue();
-        let admitted = state.admission.check(queue);
+        let admitted = state.admission.admit(queue);
         tracing::info_span!(
             "admission",
             bellows.waiting_requests = queue.waiting_requests,
@@ -147,10 +148,13 @@ async fn complete(
             bellows.admitted = admitted.is_ok(),
         )
         .in_scope(|| {});
-        if let Err(retry_after) = admitted {
-            return Err(ApiError::Overloaded { reason: Overload::QueueFull, retry_after });
+        match admitted {
+            Ok(ticket) => Some(ticket),
+            Err(retry_after) => return Err(ApiError::Overloaded { reason: Overload::QueueFull, retry_after }),
         }
-    }
+    } else {
+        None
+    };
     let limit = state.max_body_bytes;
     let declared =
         headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
@@ -266,7 +270,7 @@ async fn complete(
         trace_text,
         arrived,
         metrics: state.metrics.clone(),
-        accounting: Accounting { limits, usage, turn },
+        accounting: Accounting { limits, usage, turn, ticket },
     };
     if job.stream { reply.stream(rx, job.include_usage).await } else { reply.whole(rx).await }
 }
@@ -392,6 +396,7 @@ struct Accounting {
     limits: LimitAdmission,
     usage: ModelUsage,
     turn: Option<Turn>,
+    ticket: Option<Ticket>,
 }
 
 /// Token delivery times, for the latency histograms.
@@ -408,7 +413,9 @@ impl Reply {
         let model = ModelLabels { model: self.model.clone() };
         match event {
             ChoiceEvent::Started { .. } => {
+                // A worker has it now, and counts it: give back what held its place.
                 self.accounting.turn = None;
+                self.accounting.ticket = None;
                 if timing.first.is_none() {
                     self.metrics.queue_time.get_or_create(&model).observe((now - self.arrived).as_secs_f64());
                 }
@@ -440,7 +447,11 @@ impl Reply {
 
     fn finished(&self) {
         let model = ModelLabels { model: self.model.clone() };
-        self.metrics.request_duration.get_or_create(&model).observe(self.arrived.elapsed().as_secs_f64());
+        let took = self.arrived.elapsed();
+        self.metrics.request_duration.get_or_create(&model).observe(took.as_secs_f64());
+        // One line per request, in its span: the span's fields (tenant, usage, trace_id) go with it.
+        let _in_span = self.span.enter();
+        tracing::info!(request_id = %self.id, model = %self.model, total_ms = took.as_millis() as u64, "request finished");
     }
 }
 

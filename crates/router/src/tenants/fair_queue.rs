@@ -37,14 +37,17 @@ pub struct FairQueueConfig {
     pub max_queued_per_tenant: usize,
     /// Longest wait for a turn; then the request is refused.
     pub timeout: Duration,
-    /// Tokens a tenant of weight 1 may send per turn. About one typical request: smaller
-    /// interleaves tenants more finely (a quiet tenant waits less), at no cost in fairness.
+    /// Tokens a tenant of weight 1 may send per turn. Small: a turn then lets at most one
+    /// request through, so a flooding tenant's cheap requests cannot go ten at a time ahead of
+    /// a quiet tenant's one (measured: a 256-token quantum let a 20x tenant's 24-token requests
+    /// pass in runs and tripled quiet tenants' TTFT). Rounds with no grant are skipped in one
+    /// step, so a small quantum costs nothing with large requests.
     pub quantum_tokens: u64,
 }
 
 impl Default for FairQueueConfig {
     fn default() -> Self {
-        FairQueueConfig { max_queued_per_tenant: 64, timeout: Duration::from_secs(10), quantum_tokens: 256 }
+        FairQueueConfig { max_queued_per_tenant: 64, timeout: Duration::from_secs(10), quantum_tokens: 16 }
     }
 }
 

@@ -127,7 +127,14 @@ impl Worker for WorkerService {
             events,
             out: VecDeque::new(),
             done: false,
-            log: RequestLog { id, prompt_text, started: Instant::now(), first_token: None, tokens: 0 },
+            log: RequestLog {
+                id,
+                trace_id: telemetry::trace_id(&span),
+                prompt_text,
+                started: Instant::now(),
+                first_token: None,
+                tokens: 0,
+            },
             span,
             phase,
             _in_flight: in_flight,
@@ -181,6 +188,8 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
 /// What the per-request log line reports.
 struct RequestLog {
     id: String,
+    /// The trace this request belongs to (when traces are exported), so a log line leads to it.
+    trace_id: Option<String>,
     /// Only with `--log-prompts`.
     prompt_text: Option<String>,
     started: Instant,
@@ -196,6 +205,7 @@ impl RequestLog {
     fn finished(&self, reason: FinishReason, usage: &Usage) {
         tracing::info!(
             request_id = %self.id,
+            trace_id = self.trace_id.as_deref(),
             prompt_tokens = usage.prompt_tokens,
             completion_tokens = usage.completion_tokens,
             cached_tokens = usage.cached_tokens,
@@ -284,7 +294,12 @@ impl GenerateStream {
                 self.done = true;
             }
             Event::Failed { message } => {
-                tracing::warn!(request_id = %self.log.id, error = %message, "request failed");
+                tracing::warn!(
+                    request_id = %self.log.id,
+                    trace_id = self.log.trace_id.as_deref(),
+                    error = %message,
+                    "request failed"
+                );
                 self.span.record("otel.status_code", "ERROR");
                 self.phase = None;
                 self.out.push_back(Err(NodeError::ModelFailed(message).into()));
@@ -324,6 +339,7 @@ impl Drop for GenerateStream {
         if !self.done {
             tracing::info!(
                 request_id = %self.log.id,
+                trace_id = self.log.trace_id.as_deref(),
                 completion_tokens = self.log.tokens,
                 ttft_ms = self.log.ms(self.log.first_token),
                 total_ms = self.log.ms(Some(Instant::now())),
