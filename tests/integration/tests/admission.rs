@@ -24,21 +24,31 @@ async fn occupy(router: &Router, tokens: u32) -> reqwest::Response {
 async fn the_cap_refuses_with_retry_after_and_admits_again_once_drained() {
     let worker = one_slot_worker().await;
     let router = Router::with_workers(&[&worker], &["--max-waiting", "2"]).await;
-    // One request runs (first token seen), two wait behind it: the queue is at its cap.
+    // One request runs (first token seen), two wait behind it: the queue is at its cap. Each is
+    // sent once the router sees the previous one settled, so no count is in flight between the
+    // router's own bookkeeping and the worker's reports.
     let running = occupy(&router, 100).await;
-    let waiting: Vec<_> = (0..2)
-        .map(|_| {
-            let url = router.url("/v1/completions");
-            tokio::spawn(async move {
-                let body = json!({"model": "sim", "prompt": "d e", "max_tokens": 2});
-                reqwest::Client::new().post(url).json(&body).send().await.unwrap().status().as_u16()
+    let settled = |waiting: f64| {
+        let router = &router;
+        async move {
+            let what = format!("the router to see {waiting} waiting");
+            eventually(&what, Duration::from_secs(10), || async {
+                (router.metric("bellows_router_worker_waiting_requests").await == waiting).then_some(())
             })
-        })
-        .collect();
-    eventually("two requests waiting at the worker", Duration::from_secs(10), || async {
-        (worker.load().await.waiting_requests == 2).then_some(())
-    })
-    .await;
+            .await
+        }
+    };
+    settled(0.0).await;
+    let mut waiting = Vec::new();
+    for n in 1..=2 {
+        let url = router.url("/v1/completions");
+        waiting.push(tokio::spawn(async move {
+            let body = json!({"model": "sim", "prompt": "d e", "max_tokens": 2});
+            reqwest::Client::new().post(url).json(&body).send().await.unwrap().status().as_u16()
+        }));
+        settled(f64::from(n)).await;
+    }
+    assert_eq!(worker.load().await.waiting_requests, 2);
 
     let started = std::time::Instant::now();
     let (status, headers, body) =
