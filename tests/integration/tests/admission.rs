@@ -20,25 +20,19 @@ async fn occupy(router: &Router, tokens: u32) -> reqwest::Response {
     tokio::time::timeout(Duration::from_secs(60), r).await.expect("answers").expect("sends")
 }
 
-#[tokio::test]
-async fn the_cap_refuses_with_retry_after_and_admits_again_once_drained() {
-    let worker = one_slot_worker().await;
-    let router = Router::with_workers(&[&worker], &["--max-waiting", "2"]).await;
-    // One request runs (first token seen), two wait behind it: the queue is at its cap. Each is
-    // sent once the router sees the previous one settled, so no count is in flight between the
-    // router's own bookkeeping and the worker's reports.
-    let running = occupy(&router, 100).await;
-    let settled = |waiting: f64| {
-        let router = &router;
-        async move {
-            let what = format!("the router to see {waiting} waiting");
-            eventually(&what, Duration::from_secs(10), || async {
-                (router.metric("bellows_router_worker_waiting_requests").await == waiting).then_some(())
-            })
-            .await
-        }
-    };
-    settled(0.0).await;
+/// Wait until the router counts `n` requests waiting at its workers.
+async fn settled(router: &Router, n: f64) {
+    let what = format!("the router to see {n} waiting");
+    eventually(&what, Duration::from_secs(10), || async {
+        (router.metric("bellows_router_worker_waiting_requests").await == n).then_some(())
+    })
+    .await
+}
+
+/// Queue two short requests behind the one running, each sent once the router's view has
+/// settled, so no count is in flight between the router's bookkeeping and the worker's reports.
+async fn queue_two(router: &Router) -> Vec<tokio::task::JoinHandle<u16>> {
+    settled(router, 0.0).await;
     let mut waiting = Vec::new();
     for n in 1..=2 {
         let url = router.url("/v1/completions");
@@ -46,8 +40,18 @@ async fn the_cap_refuses_with_retry_after_and_admits_again_once_drained() {
             let body = json!({"model": "sim", "prompt": "d e", "max_tokens": 2});
             reqwest::Client::new().post(url).json(&body).send().await.unwrap().status().as_u16()
         }));
-        settled(f64::from(n)).await;
+        settled(router, f64::from(n)).await;
     }
+    waiting
+}
+
+#[tokio::test]
+async fn the_cap_refuses_with_retry_after_and_admits_again_once_drained() {
+    let worker = one_slot_worker().await;
+    let router = Router::with_workers(&[&worker], &["--max-waiting", "2"]).await;
+    // One request runs (first token seen), two wait behind it: the queue is at its cap.
+    let running = occupy(&router, 100).await;
+    let waiting = queue_two(&router).await;
     assert_eq!(worker.load().await.waiting_requests, 2);
 
     let started = std::time::Instant::now();
@@ -80,24 +84,15 @@ async fn two_routers_share_the_cap_through_the_workers_reports() {
     let a = Router::with_workers(&[&worker], &["--max-waiting", "2"]).await;
     let b = Router::with_workers(&[&worker], &["--max-waiting", "2"]).await;
     let _running = occupy(&a, 200).await;
-    let _waiting: Vec<_> = (0..2)
-        .map(|_| {
-            let url = a.url("/v1/completions");
-            tokio::spawn(async move {
-                let body = json!({"model": "sim", "prompt": "d e", "max_tokens": 2});
-                reqwest::Client::new().post(url).json(&body).send().await.map(|r| r.status().as_u16())
-            })
-        })
-        .collect();
+    let _waiting = queue_two(&a).await;
     eventually("two requests waiting at the worker", Duration::from_secs(10), || async {
         (worker.load().await.waiting_requests == 2).then_some(())
     })
     .await;
     // Router b sent nothing; it learns of a's queue from the worker's load reports alone.
-    eventually("router b to refuse on a's queue", Duration::from_secs(5), || async {
-        let (status, headers, _) =
-            b.post("/v1/completions", &json!({"model": "sim", "prompt": "f", "max_tokens": 1})).await;
-        (status == 503 && headers.contains_key("retry-after")).then_some(())
-    })
-    .await;
+    settled(&b, 2.0).await;
+    let (status, headers, body) =
+        b.post("/v1/completions", &json!({"model": "sim", "prompt": "f", "max_tokens": 1})).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(headers.contains_key("retry-after"));
 }
