@@ -8,7 +8,7 @@
 //!   a slow or dead collector drops spans, never delays a request. Unset, no exporter exists
 //!   and a span costs what an unexported `tracing` span costs.
 //! - Context crosses process boundaries as W3C `traceparent`: [`context_from_headers`] reads it
-//!   from an HTTP request or gRPC call, [`inject_current`] writes the current span's context into
+//!   from an HTTP request or gRPC call, [`inject`] writes a span's context into
 //!   an outgoing gRPC call, so one trace shows a request across router and worker.
 
 use opentelemetry::{
@@ -132,11 +132,6 @@ pub fn set_attribute(span: &tracing::Span, key: &'static str, value: impl Into<o
 pub fn inject(span: &tracing::Span, metadata: &mut tonic::metadata::MetadataMap) {
     let cx = span.context();
     global::get_text_map_propagator(|p| p.inject_context(&cx, &mut MetadataInjector(metadata)));
-}
-
-/// Write the current span's trace context into an outgoing gRPC call's metadata.
-pub fn inject_current(metadata: &mut tonic::metadata::MetadataMap) {
-    inject(&tracing::Span::current(), metadata);
 }
 
 /// The trace id of `span` as 32 hex digits, for log lines; `None` when not traced.

@@ -82,7 +82,25 @@ pub struct Metrics {
     pub membership_changes: Family<ChangeLabels, Counter>,
 }
 
+/// One model's latency histograms, looked up once per request rather than per token.
+pub struct Latencies {
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub queue_time: Histogram,
+    pub request_duration: Histogram,
+}
+
 impl Metrics {
+    pub fn latencies(&self, model: &str) -> Latencies {
+        let labels = ModelLabels { model: model.to_string() };
+        Latencies {
+            time_to_first_token: self.time_to_first_token.get_or_create(&labels).clone(),
+            inter_token_latency: self.inter_token_latency.get_or_create(&labels).clone(),
+            queue_time: self.queue_time.get_or_create(&labels).clone(),
+            request_duration: self.request_duration.get_or_create(&labels).clone(),
+        }
+    }
+
     /// The router's metrics, plus the per-tenant usage counters.
     pub fn new(usage: &Usage) -> Arc<Self> {
         let mut registry = Registry::with_prefix("bellows_router");

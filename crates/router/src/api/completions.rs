@@ -34,7 +34,7 @@ use crate::{
     admission::Ticket,
     cluster::ModelPool,
     dispatch::{Choice, ChoiceEvent},
-    metrics::{Metrics, ModelLabels, ReasonLabels, RequestLabels},
+    metrics::{Latencies, ReasonLabels, RequestLabels},
     tenants::{Admission as LimitAdmission, ModelUsage, QueueRejection, Tenant, Turn},
 };
 
@@ -47,13 +47,13 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
 }
 
 async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Response {
-    let (route, operation) = match endpoint {
-        Endpoint::ChatCompletions => ("/v1/chat/completions", "chat"),
-        Endpoint::Completions => ("/v1/completions", "text_completion"),
+    let (name, route, operation) = match endpoint {
+        Endpoint::ChatCompletions => ("POST /v1/chat/completions", "/v1/chat/completions", "chat"),
+        Endpoint::Completions => ("POST /v1/completions", "/v1/completions", "text_completion"),
     };
     let span = tracing::info_span!(
         "http.request",
-        otel.name = %format!("POST {route}"),
+        otel.name = name,
         otel.kind = "server",
         otel.status_code = Empty,
         http.request.method = "POST",
@@ -269,7 +269,7 @@ async fn complete(
         span: span.clone(),
         trace_text,
         arrived,
-        metrics: state.metrics.clone(),
+        latencies: state.metrics.latencies(&pool.name),
         accounting: Accounting { limits, usage, turn, ticket },
     };
     if job.stream { reply.stream(rx, job.include_usage).await } else { reply.whole(rx).await }
@@ -386,7 +386,7 @@ struct Reply {
     span: Span,
     trace_text: bool,
     arrived: Instant,
-    metrics: Arc<Metrics>,
+    latencies: Latencies,
     accounting: Accounting,
 }
 
@@ -402,7 +402,9 @@ struct Accounting {
 /// Token delivery times, for the latency histograms.
 #[derive(Default)]
 struct Timing {
-    first: Option<Instant>,
+    /// A worker has accepted the request (its queue time is observed).
+    started: bool,
+    /// When the latest text arrived.
     last: Option<Instant>,
 }
 
@@ -410,30 +412,23 @@ impl Reply {
     /// Account one event: tokens charged to the tenant as they stream, latencies observed.
     fn observe(&mut self, event: &ChoiceEvent, timing: &mut Timing) {
         let now = Instant::now();
-        let model = ModelLabels { model: self.model.clone() };
         match event {
             ChoiceEvent::Started { .. } => {
                 // A worker has it now, and counts it: give back what held its place.
                 self.accounting.turn = None;
                 self.accounting.ticket = None;
-                if timing.first.is_none() {
-                    self.metrics.queue_time.get_or_create(&model).observe((now - self.arrived).as_secs_f64());
+                if !timing.started {
+                    timing.started = true;
+                    self.latencies.queue_time.observe((now - self.arrived).as_secs_f64());
                 }
             }
             ChoiceEvent::Text { tokens, .. } => {
                 self.accounting.limits.charge_completion(u64::from(*tokens));
                 self.accounting.usage.completion(u64::from(*tokens));
                 match timing.last {
-                    None => self
-                        .metrics
-                        .time_to_first_token
-                        .get_or_create(&model)
-                        .observe((now - self.arrived).as_secs_f64()),
-                    Some(last) => {
-                        self.metrics.inter_token_latency.get_or_create(&model).observe((now - last).as_secs_f64())
-                    }
+                    None => self.latencies.time_to_first_token.observe((now - self.arrived).as_secs_f64()),
+                    Some(last) => self.latencies.inter_token_latency.observe((now - last).as_secs_f64()),
                 }
-                timing.first.get_or_insert(now);
                 timing.last = Some(now);
             }
             ChoiceEvent::Done { usage, index, .. } => {
@@ -446,9 +441,8 @@ impl Reply {
     }
 
     fn finished(&self) {
-        let model = ModelLabels { model: self.model.clone() };
         let took = self.arrived.elapsed();
-        self.metrics.request_duration.get_or_create(&model).observe(took.as_secs_f64());
+        self.latencies.request_duration.observe(took.as_secs_f64());
         // One line per request, in its span: the span's fields (tenant, usage, trace_id) go with it.
         let _in_span = self.span.enter();
         tracing::info!(request_id = %self.id, model = %self.model, total_ms = took.as_millis() as u64, "request finished");

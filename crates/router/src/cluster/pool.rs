@@ -61,11 +61,6 @@ impl ModelPool {
         w.is_empty()
     }
 
-    /// Every worker of the model, placeable or not, in a stable order.
-    pub fn workers(&self) -> Vec<Arc<WorkerLink>> {
-        self.workers.read().expect("pool lock").clone()
-    }
-
     /// Calls `f` with the workers, without copying the list.
     pub fn with_workers<T>(&self, f: impl FnOnce(&[Arc<WorkerLink>]) -> T) -> T {
         f(&self.workers.read().expect("pool lock"))

@@ -104,13 +104,10 @@ impl PrefixIndex {
         }
     }
 
-    /// Distinct blocks known (for tests and metrics).
-    pub fn len(&self) -> usize {
+    /// Distinct blocks known.
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.blocks.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
     }
 }
 

@@ -8,7 +8,7 @@
 //! state is kept by name and survives a reload that keeps the tenant.
 
 use std::{
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::{Arc, Mutex, RwLock},
     time::Duration,
 };
@@ -71,10 +71,6 @@ impl Tenants {
     /// Whether requests need a key.
     pub fn auth_enabled(&self) -> bool {
         self.source.is_some()
-    }
-
-    pub fn source(&self) -> Option<&Path> {
-        self.source.as_deref()
     }
 
     /// The tenants in force.
