@@ -16,6 +16,8 @@
 #   env:   REQUESTS (overhead, per run, default 10000), PLACEMENT_REQUESTS (default 4000),
 #          PLACEMENT_CONNECTIONS (default 64: the workers' queues stay full),
 #          RUNS (repeats of each part, default 1; the table shows medians),
+#          PLACEMENT_ROUTERS (default "bellows sglang vllm"), PLACEMENT_POLICIES (default: all four
+#          of bellows, round_robin and cache_aware of the references),
 #          QUICKACK=1 (run in a private network namespace whose loopback acknowledges at once: see
 #          "Delayed ACKs" in docs/BENCHMARKS.md; needs root)
 set -euo pipefail
@@ -248,12 +250,15 @@ print(json.dumps({"router_metrics_of": sys.argv[1], **m}))' "placement|$3|$1|$2"
 }
 
 placement() {
+    local name policy policies
     for run in $(seq "$runs"); do
-        for policy in round_robin least_load power_of_two cache_aware; do
-            placement_run bellows "$policy" "$run"
-        done
-        for name in sglang vllm; do
-            for policy in round_robin cache_aware; do
+        for name in ${PLACEMENT_ROUTERS:-bellows sglang vllm}; do
+            if [[ $name == bellows ]]; then
+                policies=${PLACEMENT_POLICIES:-round_robin least_load power_of_two cache_aware}
+            else
+                policies=${PLACEMENT_POLICIES:-round_robin cache_aware}
+            fi
+            for policy in $policies; do
                 placement_run "$name" "$policy" "$run"
             done
         done

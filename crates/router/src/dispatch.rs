@@ -57,6 +57,11 @@ pub enum ChoiceEvent {
 }
 
 /// One choice to generate.
+/// How long a worker may hold tokens of an answer the client gets whole, to send them in fewer
+/// messages: each message costs both sides a frame, a wake-up and a copy. A migration re-does
+/// at most this much of the answer, unseen by the client.
+const WHOLE_ANSWER_DELTA_INTERVAL_MS: u32 = 200;
+
 pub struct Choice {
     pub index: u32,
     pub request_id: String,
@@ -64,6 +69,8 @@ pub struct Choice {
     pub hashes: Arc<Vec<BlockHash>>,
     pub params: GenerationParams,
     pub cache_salt: Option<String>,
+    /// The client reads the answer as it streams (not only whole).
+    pub stream: bool,
     /// The request's span: every worker attempt is a child of it, so retries and migrations
     /// show as sibling spans.
     pub span: tracing::Span,
@@ -154,6 +161,7 @@ impl Dispatcher {
                 stop_token_ids: choice.params.stop_token_ids.clone(),
                 ignore_eos: choice.params.ignore_eos,
                 cache_salt: choice.cache_salt.clone(),
+                delta_interval_ms: if choice.stream { 0 } else { WHOLE_ANSWER_DELTA_INTERVAL_MS },
             };
             let kind = match (generated.is_empty(), tried.len()) {
                 (true, 1) => "first",

@@ -234,6 +234,24 @@ fn bench_ttft(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     }))
 }
 
+/// The 8 streams of the ITL benchmark: same prompts in every run, so token `j` of stream `i` is
+/// decoded at the same context length in the run with the long prompt and in its control.
+fn itl_streams(ctx: &Ctx) -> Result<Vec<Vec<u32>>> {
+    (0..8).map(|i| ctx.tok.encode(&format!("Stream {i}: Once upon a time"), false)).collect()
+}
+
+/// Gaps (ms) between consecutive tokens, with the index of the later token.
+fn gaps(t: &Trace) -> impl Iterator<Item = (usize, Instant, Instant, f64)> + '_ {
+    t.tokens.windows(2).enumerate().map(|(k, w)| (k + 1, w[0], w[1], (w[1] - w[0]).as_secs_f64() * 1000.0))
+}
+
+/// Inter-token latency of 8 streams while a 2,000-token prompt arrives, per scheduling case.
+///
+/// Two baselines. *Steady*: the same run's gaps before the long prompt (the first 3 s, at about
+/// 100 tokens of context). *Control*: a second run of the same 8 streams with no long prompt,
+/// over the same token positions each stream covered while the long prompt prefilled. The streams
+/// grow during a long prefill, and their own decode steps slow down with them (attention), so only
+/// the control compares like with like; the steady columns stay to show that growth.
 fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     let mut out = serde_json::Map::new();
     let cases = [
@@ -241,22 +259,22 @@ fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
         ("chunked", a.itl_chunk, None),
         ("unchunked", 2048 + 64, None),
     ];
+    let prompts = itl_streams(ctx)?;
     for (name, budget, itl_slowdown) in cases {
         // Room for 8 streams growing through a long prefill without preemption.
         let scheduler =
             SchedulerConfig { max_batch_tokens: budget, max_running: 16, itl_slowdown, ..Default::default() };
         let cfg = EngineConfig { kv_cache_mb: 2048, scheduler };
-        let engine = ctx.engine(cfg)?;
+        let engine = ctx.engine(cfg.clone())?;
         let h = engine.handle();
         let stop = AtomicBool::new(false);
         let long = ctx.long_prompt(2000, 7)?;
         let (traces, long_trace) = std::thread::scope(|s| -> Result<_> {
-            let streams: Vec<_> = (0..8)
-                .map(|i| {
-                    let h = h.clone();
-                    let p = ctx.tok.encode(&format!("Stream {i}: Once upon a time"), false);
-                    let stop = &stop;
-                    s.spawn(move || run_stream(&h, greedy(p?, 4000), Some(stop)))
+            let streams: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let (h, stop) = (h.clone(), &stop);
+                    s.spawn(move || run_stream(&h, greedy(p.clone(), 4000), Some(stop)))
                 })
                 .collect();
             // Let the streams reach steady decoding, then send the long prompt.
@@ -270,19 +288,46 @@ fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
         // Decode-only steps of the recent window: with the governor these include its probes, taken
         // while the long prompt prefilled, so they show the streams' own pace at their current length.
         let decode_only = h.stats();
+        drop(engine);
         let (sent, done) = (long_trace.submitted, long_trace.tokens[0]);
         let (mut steady, mut during) = (Vec::new(), Vec::new());
-        for t in &traces {
-            for w in t.tokens.windows(2).skip(4) {
-                let gap = (w[1] - w[0]).as_secs_f64() * 1000.0;
-                if w[1] < sent {
+        // Per stream, the token positions whose gaps fall in the during window.
+        let mut window = vec![(usize::MAX, 0); traces.len()];
+        for (i, t) in traces.iter().enumerate() {
+            for (k, t0, t1, gap) in gaps(t).skip(4) {
+                if t1 < sent {
                     steady.push(gap);
-                } else if w[0] >= sent && w[1] <= done + Duration::from_millis(1) || (w[0] < done && w[1] > sent) {
+                } else if t0 >= sent && t1 <= done + Duration::from_millis(1) || (t0 < done && t1 > sent) {
                     during.push(gap);
+                    window[i] = (window[i].0.min(k), window[i].1.max(k));
                 }
             }
         }
-        let (s99, d99) = (percentile(&steady, 0.99), percentile(&during, 0.99));
+
+        // Control: the same streams alone, decoding just past the last position of the window.
+        let last = window.iter().map(|w| w.1).max().unwrap_or(0);
+        let engine = ctx.engine(cfg)?;
+        let h = engine.handle();
+        let control_traces = std::thread::scope(|s| {
+            let streams: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let h = h.clone();
+                    s.spawn(move || run_stream(&h, greedy(p.clone(), last as u32 + 1), None))
+                })
+                .collect();
+            streams.into_iter().map(|t| t.join().expect("stream")).collect::<Result<Vec<_>>>()
+        })?;
+        drop(engine);
+        let mut control = Vec::new();
+        for (t, &(lo, hi)) in control_traces.iter().zip(&window) {
+            control.extend(gaps(t).filter(|&(k, ..)| (lo..=hi).contains(&k)).map(|(.., gap)| gap));
+        }
+        let positions = (window.iter().map(|w| w.0).min().unwrap_or(0), last);
+        let context = |k: usize| prompts.iter().map(|p| p.len() + k).max().unwrap_or(0);
+
+        let (s99, d99, c99) = (percentile(&steady, 0.99), percentile(&during, 0.99), percentile(&control, 0.99));
+        let (d50, c50) = (percentile(&during, 0.5), percentile(&control, 0.5));
         out.insert(
             name.into(),
             json!({
@@ -291,12 +336,17 @@ fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
                 "long_prompt_tokens": long.len(),
                 "long_prompt_ttft_ms": (done - sent).as_secs_f64() * 1000.0,
                 "steady_itl_p50_ms": percentile(&steady, 0.5), "steady_itl_p99_ms": s99,
-                "during_itl_p50_ms": percentile(&during, 0.5), "during_itl_p99_ms": d99,
+                "during_itl_p50_ms": d50, "during_itl_p99_ms": d99,
                 "during_p99_over_steady_p99": d99 / s99,
-            "recent_decode_only_step_p50_ms": decode_only.decode_step_p50_ms,
-            "recent_decode_only_step_p99_ms": decode_only.decode_step_p99_ms,
-            "during_p99_over_recent_decode_only_p99": d99 / decode_only.decode_step_p99_ms,
-                "gaps_steady": steady.len(), "gaps_during": during.len(),
+                "recent_decode_only_step_p50_ms": decode_only.decode_step_p50_ms,
+                "recent_decode_only_step_p99_ms": decode_only.decode_step_p99_ms,
+                "during_p99_over_recent_decode_only_p99": d99 / decode_only.decode_step_p99_ms,
+                "during_token_positions": [positions.0, positions.1],
+                "during_stream_context_tokens": [context(positions.0), context(positions.1)],
+                "control_itl_p50_ms": c50, "control_itl_p99_ms": c99,
+                "during_p50_over_control_p50": d50 / c50,
+                "during_p99_over_control_p99": d99 / c99,
+                "gaps_steady": steady.len(), "gaps_during": during.len(), "gaps_control": control.len(),
             }),
         );
         eprintln!("  {name}: {}", out[name]);

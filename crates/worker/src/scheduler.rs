@@ -63,27 +63,49 @@ impl Default for SchedulerConfig {
     }
 }
 
-/// Steers the prefill tokens of mixed steps toward `slowdown` x the decode-only step time:
-/// multiplicative decrease when a step ran long, gentle increase when it ran short.
+/// Steers the prefill tokens of mixed steps so that they stay *under* `slowdown` x the
+/// decode-only step time: it bounds the tail of the streams' inter-token gaps, not their mean.
 ///
-/// The reference must stay current: decode steps slow down as running contexts grow, and a long
-/// prefill leaves no decode-only step to measure. So every `PROBE_EVERY` mixed steps one step runs
-/// without prefill to refresh it; otherwise a stale, fast reference would pin prefill at one token
-/// a step while the streams themselves slow down.
+/// Why a model and not a plain feedback loop: on a CPU one prefill token costs a sizeable
+/// fraction of a decode step (4-6 ms next to 30 ms for the default model on 2 cores), so only a few
+/// tokens fit under the bound and the budget is coarse. A loop that grows the budget whenever a step
+/// came in under the bound keeps retrying the one-too-many budget, and every retry is a step over
+/// the bound: the mean sits at the bound and the tail above it. Instead the governor estimates
+/// what one prefill token costs and takes the largest budget predicted to fit:
+///
+/// - `decode_step` (d): the smoothed decode-only step time. Decode steps slow down as running
+///   contexts grow, and a long prefill leaves no decode-only step to measure, so every
+///   `PROBE_EVERY` mixed steps one step runs without prefill to refresh it; otherwise a stale, fast
+///   reference would pin prefill at one token a step while the streams themselves slow down.
+/// - `token_cost` (c): the marginal cost of one prefill token, `(step - d) / prefill tokens`. A step
+///   over the bound raises it at once to that step's sample; a step within the bound lowers it by
+///   only 1/8 of the difference. So c follows the upper envelope of the cost (noise spikes
+///   included) and drifts down slowly: the budget shrinks at once and grows cautiously.
+/// - budget = floor((slowdown - 1) x d / c), between 1 (prefill must progress) and the batch budget.
+///
+/// Invariants (checked without a clock in the tests below): a step over the bound leaves a budget
+/// smaller than that step's prefill tokens (or 1), and nothing but a probe showing slower decode
+/// steps or later steps within the bound grows it again; at a steady cost the budget settles at
+/// the largest one whose steps fit under the bound, and no step after that goes over.
 struct PrefillGovernor {
     slowdown: f64,
     /// Smoothed decode-only step time, seconds.
     decode_step: Option<f64>,
+    /// Marginal seconds per prefill token in a mixed step: raised at once, lowered slowly.
+    token_cost: Option<f64>,
     budget: usize,
     mixed_since_probe: usize,
 }
 
 impl PrefillGovernor {
-    const START: usize = 8;
+    /// Prefill tokens of the first mixed step, before any cost has been seen.
+    const START: usize = 1;
     const PROBE_EVERY: usize = 16;
+    /// How far one step within the bound moves the cost estimate toward its sample.
+    const RELAX: f64 = 1.0 / 8.0;
 
     fn new(slowdown: f64) -> Self {
-        PrefillGovernor { slowdown, decode_step: None, budget: Self::START, mixed_since_probe: 0 }
+        PrefillGovernor { slowdown, decode_step: None, token_cost: None, budget: Self::START, mixed_since_probe: 0 }
     }
 
     /// Prefill tokens the next step (which also decodes) may carry; `None` = no limit yet.
@@ -99,13 +121,24 @@ impl PrefillGovernor {
         } else if decode_tokens > 0 {
             self.mixed_since_probe += 1;
             let Some(d) = self.decode_step else { return };
-            let target = self.slowdown * d;
-            self.budget = if secs > target {
-                ((self.budget as f64 * target / secs) as usize).max(1)
-            } else {
-                (self.budget + self.budget.div_ceil(8)).min(max)
-            };
+            let sample = ((secs - d) / prefill_tokens as f64).max(0.0);
+            self.token_cost = Some(match self.token_cost {
+                Some(c) if secs > self.slowdown * d => c.max(sample),
+                Some(c) => c + Self::RELAX * (sample - c),
+                None => sample,
+            });
+        } else {
+            return; // prefill only: delays no stream, says nothing about the bound
         }
+        self.refit(max);
+    }
+
+    /// The largest budget predicted to keep a mixed step within the bound.
+    fn refit(&mut self, max: usize) {
+        let (Some(d), Some(c)) = (self.decode_step, self.token_cost) else { return };
+        let room = (self.slowdown - 1.0).max(0.0) * d;
+        let fit = if c > 0.0 { (room / c).floor().min(max as f64) as usize } else { max };
+        self.budget = fit.max(1);
     }
 }
 
@@ -124,6 +157,10 @@ pub struct Sequence {
     hashes: Vec<BlockHash>,
     root: ChainRoot,
     cached_tokens: usize,
+    /// Leading prompt tokens the cache held when the request was queued. The waiting-tokens gauge
+    /// counts only the rest: routers compare workers by the prefill still to do, and a queued
+    /// request that will hit the cache must not look like a full prompt of work.
+    expected_cached: usize,
     /// Still counted against the waiting cap (never admitted yet).
     counted_waiting: bool,
     sampler: Sampler,
@@ -162,6 +199,7 @@ impl Sequence {
             hashes: Vec::new(),
             root: i.root,
             cached_tokens: 0,
+            expected_cached: 0,
             counted_waiting: true,
             sampler: i.sampler,
             stop: StopMatcher::new(i.stop),
@@ -213,7 +251,8 @@ impl Scheduler {
         Scheduler { cfg, pool, waiting: VecDeque::new(), running: Vec::new(), vocab, stats, rr: 0, governor }
     }
 
-    pub fn add(&mut self, seq: Sequence) {
+    pub fn add(&mut self, mut seq: Sequence) {
+        seq.expected_cached = self.pool.cached_prefix_len(&self.matchable_hashes(&seq)) * self.cfg.block_size;
         self.waiting.push_back(seq);
         self.publish_gauges();
     }
@@ -325,9 +364,7 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         while self.running.len() < self.cfg.max_running {
             let Some(s) = self.waiting.front() else { break };
-            // Leave at least one token to compute: its logits give the next token.
-            let matchable = (s.tokens.len() - 1) / bs;
-            let hashes = prefix_block_hashes(&s.tokens[..matchable * bs], bs, s.root);
+            let hashes = self.matchable_hashes(s);
             let hit = self.pool.cached_prefix_len(&hashes);
             let need_total = s.tokens.len().div_ceil(bs);
             let need_new = need_total - hit;
@@ -356,6 +393,14 @@ impl Scheduler {
             }
             self.running.push(s);
         }
+    }
+
+    /// Hashes of the blocks of `s` that may come from the cache. At least one token is always left
+    /// to compute: its logits give the next token.
+    fn matchable_hashes(&self, s: &Sequence) -> Vec<BlockHash> {
+        let bs = self.cfg.block_size;
+        let matchable = (s.tokens.len() - 1) / bs;
+        prefix_block_hashes(&s.tokens[..matchable * bs], bs, s.root)
     }
 
     /// Give each decoding sequence room for its next token, preempting the newest when full.
@@ -504,7 +549,8 @@ impl Scheduler {
     fn publish_gauges(&self) {
         let st = &self.stats;
         st.running_requests.store(self.running.len() as u64, Relaxed);
-        st.waiting_prompt_tokens.store(self.waiting.iter().map(|s| s.pending() as u64).sum(), Relaxed);
+        st.waiting_prompt_tokens
+            .store(self.waiting.iter().map(|s| s.pending().saturating_sub(s.expected_cached) as u64).sum(), Relaxed);
         st.kv_blocks_used.store(self.pool.used() as u64, Relaxed);
     }
 }
@@ -526,27 +572,92 @@ mod tests {
     }
 
     #[test]
-    fn a_slow_mixed_step_shrinks_the_prefill_share_in_proportion() {
+    fn a_step_over_the_bound_shrinks_the_budget_below_its_prefill_tokens() {
         let mut g = governor();
-        g.observe(0, 8, 0.010, 256);
-        assert_eq!(g.limit(), Some(8));
-        g.observe(8, 8, 0.030, 256); // target 15 ms: half the time, so half the tokens
+        g.observe(0, 8, 0.010, 256); // bound 15 ms: 5 ms of room for prefill
+        assert_eq!(g.limit(), Some(PrefillGovernor::START));
+        g.observe(1, 8, 0.011, 256); // 1 ms a token
+        assert_eq!(g.limit(), Some(5));
+        g.observe(5, 8, 0.016, 256); // over: 1.2 ms a token
         assert_eq!(g.limit(), Some(4));
         g.observe(4, 8, 1.0, 256);
         assert_eq!(g.limit(), Some(1), "never below one token: prefill must progress");
     }
 
     #[test]
-    fn a_fast_mixed_step_grows_the_prefill_share_up_to_the_batch_budget() {
+    fn steps_within_the_bound_grow_the_budget_slowly_up_to_the_batch_budget() {
         let mut g = governor();
         g.observe(0, 8, 0.010, 256);
-        g.observe(8, 8, 0.012, 256);
-        assert_eq!(g.limit(), Some(9));
+        g.observe(1, 8, 0.011, 256);
+        assert_eq!(g.limit(), Some(5));
+        g.observe(5, 8, 0.010, 256); // prefill looked free, but one step moves the estimate 1/8
+        assert_eq!(g.limit(), Some(5));
         for _ in 0..100 {
-            g.observe(9, 8, 0.001, 256);
+            g.observe(5, 8, 0.010, 256);
             g.observe(0, 8, 0.010, 256); // keep probing so the limit is the budget
         }
         assert_eq!(g.limit(), Some(256));
+    }
+
+    /// Simulated steps: a decode-only step takes `d`, each prefill token `cost` more, and the whole
+    /// step is scaled by `noise()`. Returns (prefill tokens, seconds, bound, budget after) per step.
+    fn drive(
+        g: &mut PrefillGovernor,
+        d: f64,
+        cost: f64,
+        steps: usize,
+        mut noise: impl FnMut() -> f64,
+    ) -> Vec<(usize, f64, f64, usize)> {
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            let p = g.limit().unwrap_or(0); // no reference yet: a decode-only step
+            let secs = (d + cost * p as f64) * noise();
+            let bound = g.decode_step.map_or(f64::INFINITY, |d| 1.5 * d);
+            g.observe(p, 8, secs, 256);
+            out.push((p, secs, bound, g.budget));
+        }
+        out
+    }
+
+    #[test]
+    fn a_step_over_the_bound_never_leaves_a_larger_budget_behind() {
+        // Deterministic noise of up to +-30%, with a 2x spike every 37th step.
+        let mut x: u64 = 12345;
+        let mut n = 0;
+        let noise = move || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            n += 1;
+            let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+            if n % 37 == 0 { 2.0 } else { 0.7 + 0.6 * u }
+        };
+        let mut g = governor();
+        let trace = drive(&mut g, 0.030, 0.005, 2000, noise);
+        let mut overs = 0;
+        for w in trace.windows(2) {
+            let ((_, _, _, before), (p, secs, bound, after)) = (w[0], w[1]);
+            if p > 0 && secs > bound {
+                overs += 1;
+                assert!(after < p || after == 1, "{p} tokens ran over, yet the budget is {after}");
+                assert!(after <= before, "an overshoot grew the budget from {before} to {after}");
+            }
+        }
+        assert!(overs > 0, "the noise must push some steps over the bound");
+    }
+
+    #[test]
+    fn at_a_steady_cost_the_budget_settles_at_the_largest_that_fits_and_stays_under_the_bound() {
+        // 30 ms decode steps, 4.5 ms a prefill token: 15 ms of room fits 3 tokens (13.5 ms), not 4.
+        for start in [0.001, 0.005, 0.020] {
+            let mut g = governor();
+            g.observe(0, 8, 0.030, 256);
+            g.token_cost = Some(start);
+            g.refit(256);
+            let trace = drive(&mut g, 0.030, 0.0045, 300, || 1.0);
+            assert_eq!(g.budget, 3, "starting from {start} s a token");
+            for &(p, secs, bound, _) in &trace[100..] {
+                assert!(p <= 3 && secs <= bound, "{p} tokens took {secs} s (bound {bound})");
+            }
+        }
     }
 
     #[test]

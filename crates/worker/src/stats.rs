@@ -22,7 +22,8 @@ pub struct Stats {
     /// Requests accepted and never admitted: the engine's waiting cap counts these (one atomic
     /// update at submission). Preempted sequences waiting to resume are not included.
     pub waiting_requests: AtomicU64,
-    /// Tokens still to prefill of everything waiting, preempted sequences included.
+    /// Tokens still to prefill of everything waiting, preempted sequences included, less what the
+    /// prefix cache held of each prompt when it was queued.
     pub waiting_prompt_tokens: AtomicU64,
     pub running_requests: AtomicU64,
     pub kv_blocks_used: AtomicU64,

@@ -213,6 +213,26 @@ fn prefix_hits_skip_prefill_and_report_cached_tokens() {
 }
 
 #[test]
+fn a_queued_request_counts_only_the_prefill_its_cached_prefix_leaves() {
+    // One running slot held by a slow request, so everything after it waits.
+    let sim = SimConfig { base_us: 50_000, ..fast() };
+    let cfg =
+        EngineConfig { scheduler: SchedulerConfig { max_running: 1, ..Default::default() }, ..Default::default() };
+    let e = sim_engine(sim, cfg);
+    let h = e.handle();
+    let shared: Vec<u32> = (1..=100).collect();
+    run(&h, req(shared.clone(), 1)); // caches 6 blocks of 16
+    let _busy = h.submit(req(vec![9; 4], 1000)).unwrap();
+    wait_until("slot taken", || h.stats().running_requests == 1);
+    let hit = h.submit(req([shared.clone(), vec![500; 20]].concat(), 1)).unwrap();
+    let cold = h.submit(req((200..300).collect(), 1)).unwrap();
+    wait_until("both queued in the scheduler", || h.stats().waiting_prompt_tokens >= 124);
+    // The hit waits for 120 - 96 tokens of prefill, the cold one for all 100.
+    assert_eq!(h.stats().waiting_prompt_tokens, 24 + 100);
+    drop((hit, cold));
+}
+
+#[test]
 fn kv_events_carry_the_same_hashes_the_router_computes() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let e = sim_engine(fast(), EngineConfig::default());

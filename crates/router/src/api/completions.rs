@@ -180,18 +180,21 @@ async fn complete(
     let trace_text = state.trace_text;
     let cache_salt = tenant.cache_salt();
     let tokenized = {
-        let pool = pool.clone();
-        let cache_salt = cache_salt.clone();
         let tokenize_span = tracing::info_span!("tokenize", bellows.prompt_tokens = Empty, bellows.prompt = Empty);
-        let in_pool = tokenize_span.clone();
-        let result = state
-            .tokenizers
-            .run(move || in_pool.in_scope(|| tokenize(&pool, input, cache_salt.as_deref(), trace_text)))
-            .await
-            .map_err(|_| ApiError::Overloaded {
-                reason: Overload::TokenizerBusy,
-                retry_after: std::time::Duration::from_secs(1),
-            })??;
+        let result = if needs_tokenizer(&input) {
+            let (pool, cache_salt, in_pool) = (pool.clone(), cache_salt.clone(), tokenize_span.clone());
+            state
+                .tokenizers
+                .run(move || in_pool.in_scope(|| tokenize(&pool, input, cache_salt.as_deref(), trace_text)))
+                .await
+                .map_err(|_| ApiError::Overloaded {
+                    reason: Overload::TokenizerBusy,
+                    retry_after: std::time::Duration::from_secs(1),
+                })??
+        } else {
+            // Token ids only need hashing, which costs less than the hop to the pool.
+            tokenize_span.in_scope(|| tokenize(&pool, input, cache_salt.as_deref(), trace_text))?
+        };
         let tokens: usize = result.iter().map(|t| t.tokens.len()).sum();
         tokenize_span.record("bellows.prompt_tokens", tokens);
         result
@@ -252,6 +255,7 @@ async fn complete(
                 hashes: prompt.hashes.clone(),
                 params,
                 cache_salt: cache_salt.clone(),
+                stream: job.stream,
                 span: span.clone(),
             };
             state.dispatcher.spawn(pool.clone(), choice, tx.clone());
@@ -284,6 +288,14 @@ fn is_length_limit(e: &axum::Error) -> bool {
         source = s.source();
     }
     false
+}
+
+/// Whether turning `input` into token ids takes the tokenizer (text or chat), not only hashing.
+fn needs_tokenizer(input: &Input) -> bool {
+    match input {
+        Input::Chat(_) => true,
+        Input::Prompts(prompts) => prompts.iter().any(|p| matches!(p, Prompt::Text(_))),
+    }
 }
 
 fn tokenize(
@@ -402,6 +414,9 @@ struct Accounting {
 /// Token delivery times, for the latency histograms.
 #[derive(Default)]
 struct Timing {
+    /// The client reads tokens as they arrive, so the gaps between them are inter-token latency.
+    /// A whole answer's tokens come in batches (see `delta_interval_ms`): only its first counts.
+    streamed: bool,
     /// A worker has accepted the request (its queue time is observed).
     started: bool,
     /// When the latest text arrived.
@@ -427,7 +442,10 @@ impl Reply {
                 self.accounting.usage.completion(u64::from(*tokens));
                 match timing.last {
                     None => self.latencies.time_to_first_token.observe((now - self.arrived).as_secs_f64()),
-                    Some(last) => self.latencies.inter_token_latency.observe((now - last).as_secs_f64()),
+                    Some(last) if timing.streamed => {
+                        self.latencies.inter_token_latency.observe((now - last).as_secs_f64())
+                    }
+                    Some(_) => {}
                 }
                 timing.last = Some(now);
             }
@@ -506,7 +524,7 @@ impl Reply {
     /// event: a request that fails before any output gets its proper error status, not a 200
     /// with an error inside.
     async fn stream(mut self, mut rx: mpsc::Receiver<ChoiceEvent>, include_usage: bool) -> Result<Response, ApiError> {
-        let mut timing = Timing::default();
+        let mut timing = Timing { streamed: true, ..Timing::default() };
         let first = loop {
             match rx.recv().await {
                 Some(ChoiceEvent::Failed { error, .. }) => return Err(error),

@@ -63,6 +63,8 @@ struct LinkState {
 pub struct WorkerLink {
     pub id: WorkerId,
     pub node_id: String,
+    /// A hash of `node_id`, for placement that must agree across routers.
+    pub stable_id: u64,
     pub address: String,
     client: WorkerClient<Channel>,
     state: Mutex<LinkState>,
@@ -93,6 +95,7 @@ impl WorkerLink {
         let link = Arc::new(WorkerLink {
             id,
             node_id: node_id.to_string(),
+            stable_id: xxhash_rust::xxh3::xxh3_64(node_id.as_bytes()),
             address: address.to_string(),
             client: WorkerClient::new(endpoint.connect_lazy()),
             state: Mutex::new(LinkState::default()),

@@ -28,6 +28,8 @@ use crate::{
 #[derive(Debug, Clone)]
 pub struct Candidate {
     pub worker: WorkerId,
+    /// A hash of the worker's node id: the same on every router, unlike [`WorkerId`].
+    pub stable_id: u64,
     pub load: Load,
     /// Leading prompt blocks the worker holds (0 unless the policy asks for prefix matching).
     pub cached_blocks: usize,
@@ -86,7 +88,10 @@ pub fn place(
         workers
             .iter()
             .filter(|w| !exclude.contains(&w.id))
-            .filter_map(|w| w.load().map(|load| (w.clone(), Candidate { worker: w.id, load, cached_blocks: 0 })))
+            .filter_map(|w| {
+                w.load()
+                    .map(|load| (w.clone(), Candidate { worker: w.id, stable_id: w.stable_id, load, cached_blocks: 0 }))
+            })
             .unzip()
     });
     if candidates.is_empty() {
@@ -134,11 +139,14 @@ pub(crate) fn lowest(candidates: &[Candidate], start: usize, cost: impl Fn(&Cand
 
 #[cfg(test)]
 mod tests {
+    use bellows_common::prefix_hash::{ChainRoot, prefix_block_hashes};
+
     use super::*;
 
     fn cand(id: u64, waiting_tokens: u64, running: u32, cached_blocks: usize) -> Candidate {
         Candidate {
             worker: WorkerId(id),
+            stable_id: 1000 + id,
             load: Load { waiting_tokens, running, max_running: 64, ..Load::default() },
             cached_blocks,
         }
@@ -146,24 +154,88 @@ mod tests {
 
     const PROMPT: PromptShape<'static> = PromptShape { tokens: 600, block_size: 16, hashes: &[] };
 
+    /// The block hashes of a 432-token prompt (27 full blocks) of tenant `tenant`.
+    fn tenant_prompt(tenant: u32) -> Vec<BlockHash> {
+        let tokens: Vec<u32> = (0..432).map(|i| tenant * 1000 + i).collect();
+        prefix_block_hashes(&tokens, 16, ChainRoot::new(b"model"))
+    }
+
+    fn shape(hashes: &[BlockHash]) -> PromptShape<'_> {
+        PromptShape { tokens: hashes.len() * 16, block_size: 16, hashes }
+    }
+
     #[test]
     fn cache_aware_prefers_the_worker_holding_the_prefix_when_queues_are_even() {
         let p = policy(PolicyKind::CacheAware);
-        let c = [cand(0, 100, 2, 0), cand(1, 100, 2, 32), cand(2, 100, 2, 0)];
+        let hashes = tenant_prompt(1);
+        let c = [cand(0, 100, 2, 0), cand(1, 100, 2, 26), cand(2, 100, 2, 0)];
         for _ in 0..5 {
-            assert_eq!(p.choose(&c, PROMPT), 1);
+            assert_eq!(p.choose(&c, shape(&hashes)), 1);
         }
     }
 
     #[test]
-    fn load_wins_over_affinity_once_the_hot_queue_costs_more_than_a_cold_prefill() {
+    fn load_wins_over_affinity_once_the_holders_queue_is_far_past_the_mean() {
         let p = policy(PolicyKind::CacheAware);
-        // Worker 1 holds 512 of the 600 tokens but has 2000 tokens queued; worker 0 is idle.
-        let c = [cand(0, 0, 0, 0), cand(1, 2000, 8, 32)];
-        assert_eq!(p.choose(&c, PROMPT), 0);
+        let hashes = tenant_prompt(1);
+        // Worker 1 holds 416 of the 432 tokens but has 2,128 tokens of work queued; worker 0 is idle.
+        let c = [cand(0, 0, 0, 0), cand(1, 2000, 8, 26)];
+        assert_eq!(p.choose(&c, shape(&hashes)), 0);
         // With a short queue the cached worker still wins.
-        let c = [cand(0, 0, 0, 0), cand(1, 200, 2, 32)];
-        assert_eq!(p.choose(&c, PROMPT), 1);
+        let c = [cand(0, 0, 0, 0), cand(1, 200, 2, 26)];
+        assert_eq!(p.choose(&c, shape(&hashes)), 1);
+    }
+
+    #[test]
+    fn a_holder_keeps_its_prefix_until_its_extra_queue_outweighs_the_prefill_it_saves() {
+        let hashes = tenant_prompt(1);
+        let p = policy(PolicyKind::CacheAware);
+        // The holder saves 416 tokens of prefill: 400 more tokens queued is still worth it...
+        let c = [cand(0, 200, 0, 0), cand(1, 200, 0, 0), cand(2, 600, 0, 26)];
+        for _ in 0..4 {
+            assert_eq!(p.choose(&c, shape(&hashes)), 2);
+        }
+        // ...450 more is not: the prompt goes to the same one of the others every time.
+        let c = [cand(0, 200, 0, 0), cand(1, 200, 0, 0), cand(2, 650, 0, 26)];
+        let spill = p.choose(&c, shape(&hashes));
+        assert_ne!(spill, 2);
+        for _ in 0..4 {
+            assert_eq!(p.choose(&c, shape(&hashes)), spill);
+        }
+    }
+
+    #[test]
+    fn an_overloaded_prefix_spills_to_the_same_second_worker_on_every_router() {
+        let hashes = tenant_prompt(7);
+        let p = policy(PolicyKind::CacheAware);
+        let c = [cand(0, 5000, 0, 26), cand(1, 100, 0, 0), cand(2, 150, 0, 0), cand(3, 90, 0, 0)];
+        let spill = c[p.choose(&c, shape(&hashes))].stable_id;
+        assert_ne!(spill, c[0].stable_id, "the overloaded holder is skipped");
+        // Another router: other local ids, another order, slightly different views of the load.
+        let mut other: Vec<Candidate> = c.iter().rev().cloned().collect();
+        for (k, x) in other.iter_mut().enumerate() {
+            x.worker = WorkerId(40 + k as u64);
+            if x.cached_blocks == 0 {
+                x.load.waiting_tokens += 30 * k as u64;
+            }
+        }
+        for _ in 0..4 {
+            assert_eq!(other[p.choose(&other, shape(&hashes))].stable_id, spill);
+        }
+    }
+
+    #[test]
+    fn new_prefixes_get_stable_homes_spread_over_the_workers() {
+        let p = policy(PolicyKind::CacheAware);
+        let c = [cand(0, 0, 0, 0), cand(1, 0, 0, 0), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+        let mut per_worker = [0; 4];
+        for tenant in 0..200 {
+            let hashes = tenant_prompt(tenant);
+            let home = p.choose(&c, shape(&hashes));
+            assert_eq!(p.choose(&c, shape(&hashes)), home, "the same prefix goes home again");
+            per_worker[home] += 1;
+        }
+        assert!(per_worker.iter().all(|&n| (25..=75).contains(&n)), "homes spread: {per_worker:?}");
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! The unit is prompt tokens of prefill work ahead of the new request's first token:
 //! - the prompt tokens the worker would have to prefill (those not in its cache), plus
 //! - the prompt tokens already waiting there (reported, or sent by this router since), plus
-//! - a charge per running sequence, which shares every forward pass with the new request.
+//! - a charge per sequence running or waiting there: each shares every forward pass it takes
+//!   part in with the new request, for as long as it decodes.
 //!
 //! Comparing cache and load in the same unit is what lets load win: a worker holding a hot
 //! prefix stops being chosen once its queue costs more than prefilling the prefix elsewhere,
@@ -12,15 +13,16 @@
 
 use super::{Candidate, PromptShape};
 
-/// Prompt-token equivalent of one running sequence: each decode step spends one token of the
-/// worker's batch budget per running sequence, for many steps. 16 makes a worker running 64
-/// sequences cost as much as about two 2 KB prompts waiting, which is about what it delays a
-/// new prompt on the machines measured (docs/BENCHMARKS.md).
-pub const RUNNING_SEQUENCE_COST: f64 = 16.0;
+/// Prompt-token equivalent of one sequence running or waiting: each decode step spends one token
+/// of the worker's batch budget per running sequence, for many steps, and a waiting one will do
+/// the same once admitted (its prefill is counted in tokens; a prefix-cache hit leaves little).
+/// 16 makes a worker running 64 sequences cost as much as about two 2 KB prompts waiting, which
+/// is about what it delays a new prompt on the machines measured (docs/BENCHMARKS.md).
+pub const SEQUENCE_COST: f64 = 16.0;
 
 /// Work queued ahead of a new request, in prompt tokens.
 pub fn queued_work(c: &Candidate) -> f64 {
-    c.load.waiting_tokens as f64 + RUNNING_SEQUENCE_COST * f64::from(c.load.running)
+    c.load.waiting_tokens as f64 + SEQUENCE_COST * f64::from(c.load.running + c.load.waiting_requests)
 }
 
 /// Prompt tokens the candidate would have to prefill for this prompt.

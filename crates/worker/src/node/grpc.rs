@@ -15,7 +15,7 @@ use std::{
         atomic::{AtomicU64, Ordering::Relaxed},
     },
     task::{Context, Poll},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use bellows_common::telemetry;
@@ -110,6 +110,7 @@ impl Worker for WorkerService {
         } else {
             req.request_id.clone()
         };
+        let hold = (req.delta_interval_ms > 0).then(|| Duration::from_millis(u64::from(req.delta_interval_ms)));
         let engine_req =
             engine_request(req).inspect_err(|e| tracing::debug!(request_id = %id, error = %e, "refused"))?;
         let prompt_text = self.0.log_prompts.then(|| match &ready.tokenizer {
@@ -127,6 +128,9 @@ impl Worker for WorkerService {
             events,
             out: VecDeque::new(),
             done: false,
+            hold,
+            flush: None,
+            delta_sent: false,
             log: RequestLog {
                 id,
                 trace_id: telemetry::trace_id(&span),
@@ -225,6 +229,12 @@ pub struct GenerateStream {
     out: VecDeque<Result<pb::GenerateResponse, Status>>,
     /// The engine's last event for this request has been taken.
     done: bool,
+    /// `delta_interval_ms`: how long a Delta after the first may wait for more tokens.
+    hold: Option<Duration>,
+    /// When the Delta being held must go out.
+    flush: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// A Delta went out: later ones may be held.
+    delta_sent: bool,
     log: RequestLog,
     /// The request's span (a child of the router's, when it sent a trace context), and the
     /// phase it is in: `queue` until admitted, `prefill` until the first token, then `decode`.
@@ -314,23 +324,36 @@ impl Stream for GenerateStream {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
-        // Progress events send nothing: keep reading until there is a message or the end.
-        while this.out.is_empty() && !this.done {
+        // Take every event there is (progress events send nothing).
+        while !this.done {
             match this.events.poll_recv(cx) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => break,
                 Poll::Ready(None) => this.absorb(Event::Failed { message: "the engine stopped".into() }),
-                Poll::Ready(Some(ev)) => {
-                    this.absorb(ev);
-                    while !this.done {
-                        let Ok(ev) = this.events.try_recv() else {
-                            break;
-                        };
-                        this.absorb(ev);
-                    }
-                }
+                Poll::Ready(Some(ev)) => this.absorb(ev),
             }
         }
-        Poll::Ready(this.out.pop_front())
+        // A lone Delta after the first may wait, up to `hold`, for the next steps' tokens.
+        let lone_delta = this.out.len() == 1
+            && matches!(this.out.front(), Some(Ok(pb::GenerateResponse { kind: Some(Kind::Delta(_)) })));
+        if let Some(hold) = this.hold
+            && lone_delta
+            && !this.done
+            && this.delta_sent
+        {
+            let flush = this.flush.get_or_insert_with(|| Box::pin(tokio::time::sleep(hold)));
+            if flush.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+        }
+        match this.out.pop_front() {
+            Some(message) => {
+                this.flush = None;
+                this.delta_sent |= matches!(message, Ok(pb::GenerateResponse { kind: Some(Kind::Delta(_)) }));
+                Poll::Ready(Some(message))
+            }
+            None if this.done => Poll::Ready(None),
+            None => Poll::Pending,
+        }
     }
 }
 

@@ -127,7 +127,7 @@ fn encode_snapshot(enc: &mut DescriptorEncoder, s: &StatsSnapshot, refused: u64)
     gauge(
         enc,
         "waiting_prompt_tokens",
-        "Tokens still to prefill of everything waiting, preempted sequences included",
+        "Tokens still to prefill of everything waiting (net of prefix-cache hits at enqueue), preempted sequences included",
         s.waiting_prompt_tokens,
     )?;
     gauge(enc, "running_requests", "Sequences admitted: prefilling or decoding", s.running_requests)?;
