@@ -154,10 +154,13 @@ overhead() { # RUN
     local direct="grpc://127.0.0.1:$w1,127.0.0.1:$w2"
     sim_worker sim-a "$w1" "$sim" --max-batch-tokens 2048
     sim_worker sim-b "$w2" "$sim" --max-batch-tokens 2048
-    for policy in round_robin cache_aware; do
+    # "+1t": the same router on one async thread (--threads 1).
+    for policy in round_robin cache_aware round_robin+1t cache_aware+1t; do
         r=$(free_ports 1)
+        local threads=()
+        [[ $policy == *+1t ]] && threads=(--threads 1)
         start "bellows-$policy" "$bin/bellows-router" --listen "127.0.0.1:$r" --workers "127.0.0.1:$w1,127.0.0.1:$w2" \
-            --policy "$policy"
+            --policy "${policy%+1t}" "${threads[@]}"
         local router=$last_pid
         wait_ready "http://127.0.0.1:$r"
         if [[ $policy == round_robin ]]; then

@@ -59,6 +59,11 @@ pub struct RouterArgs {
     /// Largest request body accepted; larger ones get 413.
     #[arg(long, env = "BELLOWS_MAX_BODY_BYTES", default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// Threads that serve HTTP and talk to workers [default: the number of CPUs]. One thread
+    /// costs about a third less CPU per request (no hand-offs between threads) and serves
+    /// thousands of requests a second: right for a small or shared machine (docs/BENCHMARKS.md).
+    #[arg(long, env = "BELLOWS_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
     /// Threads that tokenize prompts (off the async runtime) [default: the number of CPUs].
     #[arg(long, env = "BELLOWS_TOKENIZER_THREADS")]
     pub tokenizer_threads: Option<usize>,

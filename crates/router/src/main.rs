@@ -1,12 +1,18 @@
 use bellows_router::args::RouterArgs;
 use clap::Parser;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = RouterArgs::parse();
-    let telemetry = bellows_common::telemetry::init("bellows-router", args.log_format);
-    let result = bellows_router::run(args).await;
-    // Flushing blocks on the exporter: off the async threads.
-    let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
-    result
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.threads {
+        runtime.worker_threads(usize::from(n));
+    }
+    let runtime = runtime.enable_all().build()?;
+    runtime.block_on(async {
+        let telemetry = bellows_common::telemetry::init("bellows-router", args.log_format);
+        let result = bellows_router::run(args).await;
+        // Flushing blocks on the exporter: off the async threads.
+        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+        result
+    })
 }

@@ -88,9 +88,8 @@ fn greedy_output_follows_llama_cpp_on_the_same_weights() {
     // without our Q8_0 re-quantization and repacking (either changes near-ties, as any change of
     // quantization does). Summation order still differs from llama.cpp's kernels, so require long
     // agreement rather than all 32 tokens.
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/greedy_reference.json"))
-        .expect("reference fixture");
-    let reference: Reference = serde_json::from_str(&text).expect("fixture parses");
+    let reference: Reference =
+        serde_json::from_str(include_str!("fixtures/greedy_reference.json")).expect("fixture parses");
     let (e, tok) =
         engine_with(LoadOptions { requantize: false, repack: false, progress: false }, EngineConfig::default());
     for case in &reference.cases {

@@ -108,6 +108,39 @@ async fn report_where(
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_delta_interval_batches_tokens_after_the_first_without_changing_them() {
+    // 5 ms steps: 40 tokens take about 200 ms, well inside one 30 s hold.
+    let node = start_node(&sim(r#"{"base_us": 5000}"#)).await;
+    let mut client = node.client().await;
+    let messages = |mut stream: tonic::Streaming<pb::GenerateResponse>| async move {
+        let mut out = Vec::new();
+        while let Some(m) = stream.message().await.unwrap() {
+            out.push(m.kind.expect("a response has a kind"));
+        }
+        out
+    };
+    let tokens = |ms: &[pb::generate_response::Kind]| -> Vec<u32> {
+        ms.iter()
+            .flat_map(|m| match m {
+                pb::generate_response::Kind::Delta(d) => d.token_ids.clone(),
+                pb::generate_response::Kind::Finished(_) => Vec::new(),
+            })
+            .collect()
+    };
+    let each = messages(client.generate(greedy((1..=20).collect(), 40)).await.unwrap().into_inner()).await;
+    let held = pb::GenerateRequest { delta_interval_ms: 30_000, ..greedy((1..=20).collect(), 40) };
+    let held = messages(client.generate(held).await.unwrap().into_inner()).await;
+
+    assert_eq!(tokens(&held), tokens(&each), "the same tokens either way");
+    assert!(each.len() > 10, "without a hold, tokens go out step by step ({} messages)", each.len());
+    // The first tokens go out at once; the rest wait for Finished, which flushes them.
+    assert_eq!(held.len(), 3, "{held:?}");
+    assert!(matches!(&held[0], pb::generate_response::Kind::Delta(d) if !d.token_ids.is_empty()));
+    assert!(matches!(&held[1], pb::generate_response::Kind::Delta(_)));
+    assert!(matches!(&held[2], pb::generate_response::Kind::Finished(_)));
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_cancelled_stream_frees_its_kv_blocks() {
     let node = start_node(&sim(r#"{"base_us": 20000}"#)).await;
     let mut client = node.client().await;

@@ -40,9 +40,8 @@ fn model_path() -> PathBuf {
 fn reference() -> &'static Reference {
     static R: OnceLock<Reference> = OnceLock::new();
     R.get_or_init(|| {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer_reference.json");
-        let text = std::fs::read_to_string(path).expect("reading the llama.cpp reference fixture");
-        serde_json::from_str(&text).expect("parsing the llama.cpp reference fixture")
+        serde_json::from_str(include_str!("fixtures/tokenizer_reference.json"))
+            .expect("parsing the llama.cpp reference fixture")
     })
 }
 

@@ -7,9 +7,7 @@ use bellows_integration::{Router, Worker};
 use serde_json::{Value, json};
 
 fn fixture() -> Value {
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../crates/worker/tests/fixtures/tokenizer_reference.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    serde_json::from_str(include_str!("../../../crates/worker/tests/fixtures/tokenizer_reference.json")).unwrap()
 }
 
 async fn real_cluster() -> (Worker, Router) {
@@ -41,7 +39,9 @@ async fn the_router_tokenizes_text_exactly_like_llama_cpp_and_official_clients_w
 
     let openai = std::env::var("BELLOWS_PY_OPENAI")
         .unwrap_or_else(|_| format!("{}/.cache/bellows/py-openai", std::env::var("HOME").unwrap()));
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    // Read when the test runs: a binary built in another checkout sharing the target directory
+    // must not run that checkout's script.
+    let script = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("tests/openai_client.py");
     let out = Command::new("python3")
         .arg(&script)
         .env("PYTHONPATH", &openai)
