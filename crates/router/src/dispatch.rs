@@ -56,12 +56,12 @@ pub enum ChoiceEvent {
     },
 }
 
-/// One choice to generate.
 /// How long a worker may hold tokens of an answer the client gets whole, to send them in fewer
 /// messages: each message costs both sides a frame, a wake-up and a copy. A migration re-does
 /// at most this much of the answer, unseen by the client.
 const WHOLE_ANSWER_DELTA_INTERVAL_MS: u32 = 200;
 
+/// One choice to generate.
 pub struct Choice {
     pub index: u32,
     pub request_id: String,

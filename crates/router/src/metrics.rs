@@ -146,7 +146,7 @@ impl Metrics {
         );
         r.register(
             "inter_token_latency_seconds",
-            "Gaps between a stream's token deliveries",
+            "Gaps between a streamed answer's token deliveries",
             m.inter_token_latency.clone(),
         );
         r.register("request_duration_seconds", "From arrival to the last token", m.request_duration.clone());

@@ -47,6 +47,9 @@ pub struct BenchArgs {
     /// Step-time bound for the governed ITL case (multiple of a decode-only step).
     #[arg(long, default_value_t = 1.5)]
     pub itl_slowdown: f64,
+    /// Which ITL cases to run.
+    #[arg(long, value_delimiter = ',', default_value = "governed,chunked,unchunked")]
+    pub itl_cases: Vec<String>,
 }
 
 /// What one stream saw.
@@ -259,8 +262,11 @@ fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
         ("chunked", a.itl_chunk, None),
         ("unchunked", 2048 + 64, None),
     ];
+    if let Some(bad) = a.itl_cases.iter().find(|c| !cases.iter().any(|(name, ..)| name == c)) {
+        bail!("unknown ITL case {bad:?}: use governed, chunked or unchunked");
+    }
     let prompts = itl_streams(ctx)?;
-    for (name, budget, itl_slowdown) in cases {
+    for (name, budget, itl_slowdown) in cases.into_iter().filter(|(name, ..)| a.itl_cases.iter().any(|c| c == name)) {
         // Room for 8 streams growing through a long prefill without preemption.
         let scheduler =
             SchedulerConfig { max_batch_tokens: budget, max_running: 16, itl_slowdown, ..Default::default() };

@@ -1,0 +1,35 @@
+//! Cache-aware placement over real HTTP and gRPC: the router keeps each prompt prefix on the
+//! workers that hold it, so a tenant's repeated system prompt is served from cache instead of
+//! being recomputed on whichever worker happens to be next.
+
+use bellows_integration::{Router, Worker, sim};
+use serde_json::json;
+
+#[tokio::test]
+async fn each_tenants_prefix_stays_where_it_is_cached_so_every_repeat_hits() {
+    let workers = [
+        Worker::start(&sim("{}")).await,
+        Worker::start(&sim("{}")).await,
+        Worker::start(&sim("{}")).await,
+        Worker::start(&sim("{}")).await,
+    ];
+    let router = Router::with_workers(&workers.iter().collect::<Vec<_>>(), &["--policy", "cache_aware"]).await;
+    // 7 tenants (so no rotation over 4 workers brings a tenant back to the same one), each with
+    // its own 200-token system prompt (12 full blocks), asked in turn.
+    let prefix = |tenant: u32| -> Vec<u32> { (0..200).map(|i| 1 + (tenant * 211 + i * 7) % 1000).collect() };
+    for round in 0..4u32 {
+        for tenant in 0..7u32 {
+            let prompt: Vec<u32> =
+                prefix(tenant).into_iter().chain((0..10).map(|i| 1 + (round * 10 + i) % 1000)).collect();
+            let body = json!({"model": "sim", "prompt": prompt, "max_tokens": 2});
+            let (status, _, reply) = router.post("/v1/completions", &body).await;
+            assert_eq!(status, 200, "{reply}");
+            let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+            if round == 0 {
+                assert_eq!(cached, 0, "tenant {tenant} is new");
+            } else {
+                assert!(cached >= 192, "round {round}, tenant {tenant}: only {cached} of 192 prefix tokens cached");
+            }
+        }
+    }
+}
