@@ -32,8 +32,9 @@ pub struct Admission {
     admitting: Arc<AtomicU64>,
 }
 
-/// A request admitted under the cap and not yet handed to a worker; dropping it (once a worker
-/// took the request, or it failed) stops counting it here.
+/// A request admitted under the cap and not yet handed to a worker; dropping it stops counting
+/// it here. Dispatch drops it as soon as the worker link counts the request as pending (or the
+/// request fails first), so at every moment exactly one of the two counts it.
 #[derive(Debug)]
 pub struct Ticket(Arc<AtomicU64>);
 

@@ -22,6 +22,7 @@ use tonic::Code;
 use tracing::field::Empty;
 
 use crate::{
+    admission::Ticket,
     api::{
         error::{ApiError, Overload},
         request::GenerationParams,
@@ -71,6 +72,10 @@ pub struct Choice {
     pub cache_salt: Option<String>,
     /// The client reads the answer as it streams (not only whole).
     pub stream: bool,
+    /// The request's place under the global cap (on its first choice): given back the moment
+    /// the choice is counted as pending at its worker, so the request is never counted twice
+    /// and never missed.
+    pub ticket: Option<Ticket>,
     /// The request's span: every worker attempt is a child of it, so retries and migrations
     /// show as sibling spans.
     pub span: tracing::Span,
@@ -104,7 +109,7 @@ impl Dispatcher {
         });
     }
 
-    async fn run(&self, pool: &ModelPool, choice: Choice, tx: &mpsc::Sender<ChoiceEvent>) -> Result<(), ApiError> {
+    async fn run(&self, pool: &ModelPool, mut choice: Choice, tx: &mpsc::Sender<ChoiceEvent>) -> Result<(), ApiError> {
         let index = choice.index;
         let mut tried: Vec<WorkerId> = Vec::new();
         let mut generated: Vec<u32> = Vec::new();
@@ -187,6 +192,7 @@ impl Dispatcher {
             // cost there: the prompt minus the blocks placement expects it to find cached.
             let mut pending =
                 Some(worker.dispatch(prompt.len().saturating_sub(placed.cached_blocks * pool.block_size)));
+            choice.ticket = None; // the pending entry counts it now
             let mut client = worker.client();
             let opened = tokio::select! {
                 r = tokio::time::timeout(self.worker_timeout, client.generate(request)) => r,

@@ -31,7 +31,6 @@ use super::{
     response::{self, Header, UsageOut},
 };
 use crate::{
-    admission::Ticket,
     cluster::ModelPool,
     dispatch::{Choice, ChoiceEvent},
     metrics::{Latencies, ReasonLabels, RequestLabels},
@@ -138,7 +137,7 @@ async fn complete(
     // Without fair sharing, the cap refuses at once, before the body is read. With it, the
     // request queues for its fair share of the room below the cap (after tokenization, which
     // gives its cost).
-    let ticket = if state.fair_queue.is_none() {
+    let mut ticket = if state.fair_queue.is_none() {
         let queue = state.cluster.queue();
         let admitted = state.admission.admit(queue);
         tracing::info_span!(
@@ -256,6 +255,7 @@ async fn complete(
                 params,
                 cache_salt: cache_salt.clone(),
                 stream: job.stream,
+                ticket: ticket.take(),
                 span: span.clone(),
             };
             state.dispatcher.spawn(pool.clone(), choice, tx.clone());
@@ -274,7 +274,7 @@ async fn complete(
         trace_text,
         arrived,
         latencies: state.metrics.latencies(&pool.name),
-        accounting: Accounting { limits, usage, turn, ticket },
+        accounting: Accounting { limits, usage, turn },
     };
     if job.stream { reply.stream(rx, job.include_usage).await } else { reply.whole(rx).await }
 }
@@ -403,12 +403,13 @@ struct Reply {
 }
 
 /// What a request holds while it runs: its tenant's concurrency slot and token charges, its
-/// usage counters, and its turn under the global cap (given back once it started).
+/// usage counters, and its fair-share turn under the global cap (given back once it started).
+/// Without fair sharing, its place under the cap is an admission ticket that travels with the
+/// first choice instead (see [`Choice::ticket`]).
 struct Accounting {
     limits: LimitAdmission,
     usage: ModelUsage,
     turn: Option<Turn>,
-    ticket: Option<Ticket>,
 }
 
 /// Token delivery times, for the latency histograms.
@@ -431,7 +432,6 @@ impl Reply {
             ChoiceEvent::Started { .. } => {
                 // A worker has it now, and counts it: give back what held its place.
                 self.accounting.turn = None;
-                self.accounting.ticket = None;
                 if !timing.started {
                     timing.started = true;
                     self.latencies.queue_time.observe((now - self.arrived).as_secs_f64());
