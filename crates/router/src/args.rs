@@ -60,7 +60,7 @@ pub struct RouterArgs {
     #[arg(long, env = "BELLOWS_MAX_BODY_BYTES", default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
     /// Threads that serve HTTP and talk to workers [default: the number of CPUs]. One thread
-    /// costs about a third less CPU per request (no hand-offs between threads) and serves
+    /// cost 17-30% less CPU per request on 2 cores (no hand-offs between threads) and serves
     /// thousands of requests a second: right for a small or shared machine (docs/BENCHMARKS.md).
     #[arg(long, env = "BELLOWS_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,

@@ -48,8 +48,19 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1.5)]
     pub itl_slowdown: f64,
     /// Which ITL cases to run.
-    #[arg(long, value_delimiter = ',', default_value = "governed,chunked,unchunked")]
-    pub itl_cases: Vec<String>,
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "governed,chunked,unchunked")]
+    pub itl_cases: Vec<ItlCase>,
+}
+
+/// The scheduling cases of the ITL benchmark.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ItlCase {
+    /// Chunked, with the prefill governor at `--itl-slowdown`.
+    Governed,
+    /// `--itl-chunk` prefill tokens a step, no governor.
+    Chunked,
+    /// The whole long prompt in one step.
+    Unchunked,
 }
 
 /// What one stream saw.
@@ -258,15 +269,12 @@ fn gaps(t: &Trace) -> impl Iterator<Item = (usize, Instant, Instant, f64)> + '_ 
 fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     let mut out = serde_json::Map::new();
     let cases = [
-        ("governed", SchedulerConfig::default().max_batch_tokens, Some(a.itl_slowdown)),
-        ("chunked", a.itl_chunk, None),
-        ("unchunked", 2048 + 64, None),
+        (ItlCase::Governed, "governed", SchedulerConfig::default().max_batch_tokens, Some(a.itl_slowdown)),
+        (ItlCase::Chunked, "chunked", a.itl_chunk, None),
+        (ItlCase::Unchunked, "unchunked", 2048 + 64, None),
     ];
-    if let Some(bad) = a.itl_cases.iter().find(|c| !cases.iter().any(|(name, ..)| name == c)) {
-        bail!("unknown ITL case {bad:?}: use governed, chunked or unchunked");
-    }
     let prompts = itl_streams(ctx)?;
-    for (name, budget, itl_slowdown) in cases.into_iter().filter(|(name, ..)| a.itl_cases.iter().any(|c| c == name)) {
+    for (_, name, budget, itl_slowdown) in cases.into_iter().filter(|(case, ..)| a.itl_cases.contains(case)) {
         // Room for 8 streams growing through a long prefill without preemption.
         let scheduler =
             SchedulerConfig { max_batch_tokens: budget, max_running: 16, itl_slowdown, ..Default::default() };
