@@ -22,7 +22,7 @@ use tonic::{Code, transport::Channel};
 async fn generate_over_grpc_gives_the_engines_own_greedy_tokens_and_model_info_tokenizes_alike() {
     let path = default_model_path();
     assert!(path.exists(), "model {} is missing: run scripts/fetch-model.sh", path.display());
-    let node = spawn_node(&["--model", path.to_str().unwrap()]);
+    let mut node = spawn_node(&["--model", path.to_str().unwrap()]);
 
     // The same model, in process, with the node's default load options.
     let (model, tok) = load_gguf(&path, &LoadOptions::default(), None).expect("model loads");

@@ -18,6 +18,10 @@ use tonic::transport::Channel;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
 /// A port nothing listens on right now.
+/// Processes that find their port taken (see [`Process::lost_its_port`]) are started this many
+/// times, each on a fresh port.
+const START_ATTEMPTS: usize = 3;
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -151,6 +155,17 @@ impl Process {
         Process { child, addr, name, log, _dir: dir }
     }
 
+    /// Whether the process has exited (it never should before a test stops it).
+    pub fn exited(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_some()
+    }
+
+    /// It exited because another test bound its port first: the port came from [`free_port`],
+    /// which can only say the port was free a moment ago.
+    fn lost_its_port(&mut self) -> bool {
+        self.exited() && self.log().contains("Address already in use")
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
     }
@@ -218,9 +233,7 @@ impl std::ops::DerefMut for Worker {
 impl Worker {
     /// Start a worker from `bin` on a free loopback port, and wait until it is SERVING.
     pub async fn start_bin<S: AsRef<str>>(bin: PathBuf, args: &[S]) -> Worker {
-        let w = Worker::spawn_bin(bin, args);
-        w.wait_serving().await;
-        w
+        Worker::start_with(bin, args, &[]).await
     }
 
     /// Start a worker (the workspace's `bellows-worker`) and wait until it is SERVING.
@@ -234,9 +247,18 @@ impl Worker {
 
     /// Start a worker with extra environment variables, and wait until it is SERVING.
     pub async fn start_env<S: AsRef<str>>(args: &[S], env: &[(&str, &str)]) -> Worker {
-        let w = Worker::spawn_env(binary("bellows-worker"), args, env);
-        w.wait_serving().await;
-        w
+        Worker::start_with(binary("bellows-worker"), args, env).await
+    }
+
+    async fn start_with<S: AsRef<str>>(bin: PathBuf, args: &[S], env: &[(&str, &str)]) -> Worker {
+        for attempt in 1..=START_ATTEMPTS {
+            let mut w = Worker::spawn_env(bin.clone(), args, env);
+            if w.serving_or_lost_port().await {
+                return w;
+            }
+            assert!(attempt < START_ATTEMPTS, "worker lost its port {START_ATTEMPTS} times; log:\n{}", w.log());
+        }
+        unreachable!("the last attempt returns or fails")
     }
 
     fn spawn_env<S: AsRef<str>>(bin: PathBuf, args: &[S], env: &[(&str, &str)]) -> Worker {
@@ -246,13 +268,24 @@ impl Worker {
         Worker(Process::spawn("worker", bin, all, addr, env))
     }
 
-    pub async fn wait_serving(&self) {
+    /// Wait until the worker is SERVING; fail at once if it exits.
+    pub async fn wait_serving(&mut self) {
+        assert!(self.serving_or_lost_port().await, "worker lost its port; log:\n{}", self.log());
+    }
+
+    /// `true` once SERVING, `false` if it exited because its port was taken; any other exit fails.
+    async fn serving_or_lost_port(&mut self) -> bool {
         let limit = Duration::from_secs(180); // a real model loads in seconds; a busy machine is slower
         let deadline = Instant::now() + limit;
         while self.health().await != Some(ServingStatus::Serving) {
+            if self.0.lost_its_port() {
+                return false;
+            }
+            assert!(!self.0.exited(), "worker exited before SERVING; log:\n{}", self.log());
             assert!(Instant::now() < deadline, "worker not SERVING after {limit:?}; log:\n{}", self.log());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        true
     }
 
     /// The whole server's health ("" service); `None` if the worker does not answer.
@@ -287,18 +320,29 @@ impl Router {
 
     /// Start a router with extra environment variables.
     pub async fn start_env<S: AsRef<str>>(args: &[S], env: &[(&str, &str)]) -> Router {
-        let addr = format!("127.0.0.1:{}", free_port());
-        let mut all = vec!["--listen".to_string(), addr.clone()];
-        all.extend(args.iter().map(|a| a.as_ref().to_string()));
-        let process = Process::spawn("router", binary("bellows-router"), all, addr.clone(), env);
-        let router = Router { process, url: format!("http://{addr}") };
         let http = reqwest::Client::new();
-        let health = format!("{}/health", router.url);
-        eventually("the router to answer /health", Duration::from_secs(30), || async {
-            http.get(&health).send().await.ok().filter(|r| r.status().is_success())
-        })
-        .await;
-        router
+        for attempt in 1..=START_ATTEMPTS {
+            let addr = format!("127.0.0.1:{}", free_port());
+            let mut all = vec!["--listen".to_string(), addr.clone()];
+            all.extend(args.iter().map(|a| a.as_ref().to_string()));
+            let process = Process::spawn("router", binary("bellows-router"), all, addr.clone(), env);
+            let mut router = Router { process, url: format!("http://{addr}") };
+            let health = format!("{}/health", router.url);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if http.get(&health).send().await.is_ok_and(|r| r.status().is_success()) {
+                    return router;
+                }
+                if router.process.lost_its_port() && attempt < START_ATTEMPTS {
+                    break;
+                }
+                let log = router.process.log();
+                assert!(!router.process.exited(), "router exited before answering /health; log:\n{log}");
+                assert!(Instant::now() < deadline, "the router did not answer /health within 30 s; log:\n{log}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        unreachable!("the last attempt returns or fails")
     }
 
     /// Start a router in front of these workers (static list).
