@@ -3,10 +3,11 @@
 //! - Before the first token, a worker that refuses (queue full), is unreachable or fails is
 //!   replaced by another one, up to `--max-retries`, with the same request.
 //! - After it, a failed worker's stream continues on another worker: the prompt plus every
-//!   token generated so far is sent as the new prompt, for the tokens still allowed, up to
-//!   `--max-migrations`. The client sees one stream: same id, no text twice or missing. A greedy
-//!   request continues exactly as it would have (the new worker sees the same tokens); a
-//!   sampled one continues validly but not identically.
+//!   token generated so far is sent as the new prompt, marked as `resumed_tokens`, for the tokens
+//!   still allowed, up to `--max-migrations`. The new worker replays those tokens through the
+//!   request's detokenizer, stop strings, penalties and RNG, so the client sees one stream: same
+//!   id, no text twice or missing, a stop string spanning the handover still stops, and a
+//!   greedy or seeded request continues exactly as it would have.
 //! - The client going away (the receiver dropped) ends the worker call, which cancels the
 //!   request on the worker and frees its KV blocks.
 //!
@@ -112,10 +113,9 @@ impl Dispatcher {
     async fn run(&self, pool: &ModelPool, mut choice: Choice, tx: &mpsc::Sender<ChoiceEvent>) -> Result<(), ApiError> {
         let index = choice.index;
         let mut tried: Vec<WorkerId> = Vec::new();
+        // Tokens the client has the text of (as far as the worker released it): a migration
+        // appends them to the prompt as `resumed_tokens`, and the next worker releases the rest.
         let mut generated: Vec<u32> = Vec::new();
-        // Text sent to the client so far: on a migration, what the dead worker held back (an
-        // unfinished character, a possible stop string) is the difference to the tokens' text.
-        let mut sent = String::new();
         let (mut retries, mut migrations) = (0u32, 0u32);
         let mut started = false;
         let mut last_error = ApiError::Overloaded { reason: Overload::NoWorkers, retry_after: Duration::from_secs(1) };
@@ -167,6 +167,7 @@ impl Dispatcher {
                 ignore_eos: choice.params.ignore_eos,
                 cache_salt: choice.cache_salt.clone(),
                 delta_interval_ms: if choice.stream { 0 } else { WHOLE_ANSWER_DELTA_INTERVAL_MS },
+                resumed_tokens: generated.len() as u32,
             };
             let kind = match (generated.is_empty(), tried.len()) {
                 (true, 1) => "first",
@@ -226,7 +227,6 @@ impl Dispatcher {
                                 generated.extend_from_slice(&delta.token_ids);
                                 let tokens = delta.token_ids.len() as u32;
                                 if !delta.text.is_empty() || tokens > 0 {
-                                    sent.push_str(&delta.text);
                                     let event = ChoiceEvent::Text { index, text: delta.text, tokens };
                                     if tx.send(event).await.is_err() {
                                         return Ok(());
@@ -294,24 +294,10 @@ impl Dispatcher {
                     let _ = tx.send(ChoiceEvent::Done { index, finish: pb::FinishReason::Length, usage }).await;
                     return Ok(());
                 }
-                if let Some(held) = held_back(pool, &generated, &sent) {
-                    sent.push_str(&held);
-                    if tx.send(ChoiceEvent::Text { index, text: held, tokens: 0 }).await.is_err() {
-                        return Ok(());
-                    }
-                }
             }
             last_error = error;
         }
     }
-}
-
-/// Text of the generated tokens that the failed worker had not sent yet, when it is whole
-/// (not ending in a cut character).
-fn held_back(pool: &ModelPool, generated: &[u32], sent: &str) -> Option<String> {
-    let full = pool.tokenizer.decode(generated)?;
-    let rest = full.strip_prefix(sent)?;
-    (!rest.is_empty() && !rest.contains('\u{FFFD}')).then(|| rest.to_string())
 }
 
 /// Map a worker's gRPC status to what the router does about it.

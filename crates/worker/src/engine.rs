@@ -67,6 +67,8 @@ struct Shared {
     block_size: usize,
     max_waiting: usize,
     next_id: AtomicU64,
+    /// For replaying a resumed request's earlier output at submission.
+    vocab: Arc<dyn Vocab>,
 }
 
 /// Owns the engine thread; dropping it stops the thread (in-flight requests fail).
@@ -99,6 +101,7 @@ impl Engine {
             block_size: s.block_size,
             max_waiting: s.max_waiting,
             next_id: AtomicU64::new(1),
+            vocab: vocab.clone(),
         });
         let (tx, rx) = mpsc::channel();
         let mut sched = Scheduler::new(s, BlockPool::new(num_blocks, shared.block_size), vocab, stats);
@@ -202,6 +205,12 @@ impl EngineHandle {
             return Err(SubmitError::ContextExceeded { prompt, completion, context: sh.context });
         }
         req.params.validate(vocab).map_err(|(param, reason)| SubmitError::InvalidParameter { param, reason })?;
+        if req.resumed_tokens >= prompt {
+            return Err(SubmitError::InvalidParameter {
+                param: "resumed_tokens",
+                reason: format!("{} resumed tokens leave no prompt of the {prompt} tokens", req.resumed_tokens),
+            });
+        }
 
         // The cap: one atomic step, so concurrent submitters cannot overshoot it.
         let waiting = &sh.stats.waiting_requests;
@@ -211,7 +220,7 @@ impl EngineHandle {
 
         let (reply, stream) = tmpsc::unbounded_channel();
         let root = ChainRoot::for_model(&sh.spec.model_id, req.cache_salt.as_deref());
-        let seq = Sequence::new(SequenceInit {
+        let mut seq = Sequence::new(SequenceInit {
             id: sh.next_id.fetch_add(1, Relaxed),
             sampler: Sampler::new(req.params, &req.prompt),
             max_len: prompt + completion,
@@ -223,6 +232,11 @@ impl EngineHandle {
             progress: req.progress,
             reply,
         });
+        if seq.resume(req.resumed_tokens, sh.vocab.as_ref()) {
+            // The earlier attempt had already stopped; only its Finished was lost.
+            waiting.fetch_sub(1, Relaxed);
+            return Ok(stream);
+        }
         if self.tx.send(Command::Submit(Box::new(seq))).is_err() {
             waiting.fetch_sub(1, Relaxed);
             return Err(SubmitError::ShuttingDown);

@@ -19,6 +19,10 @@ pub struct GenerateRequest {
     pub cache_salt: Option<String>,
     /// Also stream [`Event::Progress`] (admission, prefill chunks), for tracing.
     pub progress: bool,
+    /// The last this-many prompt tokens are this request's own output from an earlier attempt:
+    /// they are replayed through the detokenizer, stop strings and sampler without being sent, so
+    /// the request continues exactly where that attempt stopped. Less than the prompt's length.
+    pub resumed_tokens: usize,
 }
 
 impl GenerateRequest {
@@ -32,6 +36,7 @@ impl GenerateRequest {
             ignore_eos: false,
             cache_salt: None,
             progress: false,
+            resumed_tokens: 0,
         }
     }
 }

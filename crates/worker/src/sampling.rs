@@ -109,7 +109,19 @@ impl Sampler {
         }
     }
 
-    /// Pick the next token from raw logits (modified in place).
+    /// Account for a token this request generated in an earlier attempt, as if this sampler had
+    /// picked it: penalties count it, and a sampling (non-greedy) request's RNG advances by the
+    /// one draw [`Sampler::sample`] makes per token, so a seeded request continues on the same
+    /// random sequence.
+    pub fn replay(&mut self, token: u32) {
+        if self.params.temperature != 0.0 {
+            let _: f32 = self.rng.random();
+        }
+        self.observe(token);
+    }
+
+    /// Pick the next token from raw logits (modified in place). Draws exactly one random number
+    /// unless greedy: [`Sampler::replay`] relies on that.
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
         let p = &self.params;
         for &(t, b) in &p.logit_bias {

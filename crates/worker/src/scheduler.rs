@@ -211,6 +211,46 @@ impl Sequence {
         }
     }
 
+    /// Pass generated token `t` through the stop tokens, the detokenizer and the stop strings:
+    /// the text it releases, and `Some(flush)` if it stops the request (`flush`: text held back
+    /// must still be sent). A stop token's own text is never sent.
+    fn advance(&mut self, t: u32, vocab: &dyn Vocab) -> (String, Option<bool>) {
+        if self.stop_ids.contains(&t) || (!self.ignore_eos && vocab.eos_ids().contains(&t)) {
+            return (String::new(), Some(true));
+        }
+        let text = self.detok.push(vocab.token_bytes(t));
+        match self.stop.push(&text) {
+            StopCheck::Stopped(x) => (x, Some(false)),
+            StopCheck::Continue(x) => (x, None),
+        }
+    }
+
+    /// Replay the last `n` prompt tokens as this request's own earlier output (see
+    /// [`crate::request::GenerateRequest::resumed_tokens`]): their text is not sent again, but
+    /// what the earlier attempt held back stays held here. Returns true, after sending
+    /// Finished, if they already stopped the request.
+    pub fn resume(&mut self, n: usize, vocab: &dyn Vocab) -> bool {
+        for i in self.tokens.len() - n..self.tokens.len() {
+            let t = self.tokens[i];
+            self.sampler.replay(t);
+            if let (_, Some(flush)) = self.advance(t, vocab) {
+                let text = if flush { self.flush() } else { String::new() };
+                let _ = self.reply.send(Event::Finished { text, reason: FinishReason::Stop, usage: self.usage() });
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Text still held back at the end of a stream that did not end on a stop string.
+    fn flush(&mut self) -> String {
+        let tail = self.detok.finish();
+        match self.stop.push(&tail) {
+            StopCheck::Continue(x) => x + &self.stop.finish(),
+            StopCheck::Stopped(x) => x,
+        }
+    }
+
     fn pending(&self) -> usize {
         self.tokens.len() - self.computed
     }
@@ -491,7 +531,7 @@ impl Scheduler {
             s.tokens.push(t);
             self.stats.generated_tokens.fetch_add(1, Relaxed);
             if let Some((reason, flush)) = Self::emit(s, t, self.vocab.as_ref()) {
-                let text = if flush { Self::flush(s) } else { String::new() };
+                let text = if flush { s.flush() } else { String::new() };
                 let _ = s.reply.send(Event::Finished { text, reason, usage: s.usage() });
                 finished.push(p.seq);
             }
@@ -508,30 +548,11 @@ impl Scheduler {
     /// Stream token `t` of sequence `s`; returns why it finished, if it did, and whether text
     /// held back (partial characters, possible stop-string starts) must still be flushed.
     fn emit(s: &mut Sequence, t: u32, vocab: &dyn Vocab) -> Option<(FinishReason, bool)> {
-        if s.stop_ids.contains(&t) || (!s.ignore_eos && vocab.eos_ids().contains(&t)) {
-            // The stop token's own text is never sent.
-            let _ = s.reply.send(Event::Token { id: t, text: String::new() });
-            return Some((FinishReason::Stop, true));
-        }
-        let text = s.detok.push(vocab.token_bytes(t));
-        match s.stop.push(&text) {
-            StopCheck::Stopped(x) => {
-                let _ = s.reply.send(Event::Token { id: t, text: x });
-                Some((FinishReason::Stop, false))
-            }
-            StopCheck::Continue(x) => {
-                let _ = s.reply.send(Event::Token { id: t, text: x });
-                (s.tokens.len() >= s.max_len).then_some((FinishReason::Length, true))
-            }
-        }
-    }
-
-    /// Text still held back at the end of a stream that did not end on a stop string.
-    fn flush(s: &mut Sequence) -> String {
-        let tail = s.detok.finish();
-        match s.stop.push(&tail) {
-            StopCheck::Continue(x) => x + &s.stop.finish(),
-            StopCheck::Stopped(x) => x,
+        let (text, stop) = s.advance(t, vocab);
+        let _ = s.reply.send(Event::Token { id: t, text });
+        match stop {
+            Some(flush) => Some((FinishReason::Stop, flush)),
+            None => (s.tokens.len() >= s.max_len).then_some((FinishReason::Length, true)),
         }
     }
 

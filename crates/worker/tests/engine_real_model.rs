@@ -39,20 +39,25 @@ fn engine_with(opts: LoadOptions, cfg: EngineConfig) -> (Engine, Arc<ModelTokeni
 
 struct Outcome {
     tokens: Vec<u32>,
+    /// The text each token's event released, in order.
+    pieces: Vec<String>,
     text: String,
     reason: FinishReason,
     usage: Usage,
 }
 
 fn collect(mut rx: EventStream) -> Outcome {
-    let (mut tokens, mut text) = (Vec::new(), String::new());
+    let (mut tokens, mut pieces, mut text) = (Vec::new(), Vec::new(), String::new());
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             Event::Token { id, text: t } => {
                 tokens.push(id);
                 text += &t;
+                pieces.push(t);
             }
-            Event::Finished { text: t, reason, usage } => return Outcome { tokens, text: text + &t, reason, usage },
+            Event::Finished { text: t, reason, usage } => {
+                return Outcome { tokens, pieces, text: text + &t, reason, usage };
+            }
             Event::Failed { message } => panic!("request failed: {message}"),
             Event::Progress(_) => {}
         }
@@ -246,6 +251,59 @@ fn a_stop_string_spanning_tokens_is_trimmed_and_ends_the_stream() {
     let out = run(&e.handle(), r);
     assert_eq!(out.reason, FinishReason::Stop);
     assert_eq!(out.text, free.text[..cut]);
+}
+
+/// Resume `original` (the outcome of `request`) after each of its first k tokens, as a router
+/// migrating it would: the client saw the text of those k tokens' events, and the resumed request
+/// must deliver exactly the rest, tokens and text, and end the same way.
+fn assert_resumes_exactly(h: &EngineHandle, request: &GenerateRequest, original: &Outcome) {
+    for k in 1..=original.tokens.len() {
+        let mut r = request.clone();
+        r.prompt.extend_from_slice(&original.tokens[..k]);
+        r.resumed_tokens = k;
+        r.max_tokens = request.max_tokens.map(|m| m - k as u32);
+        if r.max_tokens == Some(0) {
+            continue; // the router finishes those itself
+        }
+        let rest = run(h, r);
+        let seen = original.pieces[..k].concat();
+        assert_eq!(rest.tokens, original.tokens[k..], "tokens after resuming at {k}");
+        assert_eq!(seen + &rest.text, original.text, "text after resuming at {k}");
+        assert_eq!(rest.reason, original.reason, "finish after resuming at {k}");
+    }
+}
+
+#[test]
+fn a_resumed_request_continues_exactly_even_when_a_stop_string_spans_the_handover() {
+    let (e, tok) = engine(EngineConfig::default());
+    let mut r = greedy(tok.encode("Once upon a time", false).unwrap(), 24);
+    r.stop = vec!["city of Nova".into()];
+    let original = run(&e.handle(), r.clone());
+    assert_eq!(original.reason, FinishReason::Stop);
+    // Some cut falls inside the stop string, while the worker holds its start back.
+    assert!(original.pieces.iter().any(String::is_empty), "expected held-back text: {:?}", original.pieces);
+    assert_resumes_exactly(&e.handle(), &r, &original);
+}
+
+#[test]
+fn a_resumed_request_never_splits_or_repeats_a_multibyte_character() {
+    let (e, tok) = engine(EngineConfig::default());
+    let r = greedy(tok.encode("你好，世界！我今天", false).unwrap(), 12);
+    let original = run(&e.handle(), r.clone());
+    assert!(!original.text.is_ascii(), "expected multi-byte output, got {:?}", original.text);
+    // Some cut falls inside a character, while the worker holds its first bytes back.
+    assert!(original.pieces.iter().any(String::is_empty), "expected a split character: {:?}", original.pieces);
+    assert_resumes_exactly(&e.handle(), &r, &original);
+}
+
+#[test]
+fn a_resumed_seeded_request_draws_the_same_samples() {
+    let (e, tok) = engine(EngineConfig::default());
+    let params = SamplingParams { temperature: 1.0, seed: Some(7), presence_penalty: 0.5, ..SamplingParams::default() };
+    let mut r = GenerateRequest::new(tok.encode("Once upon a time", false).unwrap(), params, 12);
+    r.ignore_eos = true;
+    let original = run(&e.handle(), r.clone());
+    assert_resumes_exactly(&e.handle(), &r, &original);
 }
 
 #[test]

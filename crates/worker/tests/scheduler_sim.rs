@@ -86,6 +86,12 @@ fn every_invalid_request_is_refused_with_its_own_error_before_any_work() {
     let mut bad = req(vec![1], 4);
     bad.params.top_p = 1.5;
     assert!(matches!(h.submit(bad).unwrap_err(), SubmitError::InvalidParameter { param: "top_p", .. }));
+    let mut all_resumed = req(vec![1, 2], 4);
+    all_resumed.resumed_tokens = 2;
+    assert!(matches!(
+        h.submit(all_resumed).unwrap_err(),
+        SubmitError::InvalidParameter { param: "resumed_tokens", .. }
+    ));
     assert_eq!(h.stats().steps, 0, "refusals must not run the model");
 }
 

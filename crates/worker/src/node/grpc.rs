@@ -186,6 +186,7 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
         ignore_eos: r.ignore_eos,
         cache_salt: r.cache_salt,
         progress: true,
+        resumed_tokens: r.resumed_tokens as usize,
     })
 }
 
