@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{eventually, free_port, generate, greedy, sim, spawn_node, start_node};
+use common::{eventually, generate, greedy, sim, spawn_node, start_node};
 use tonic::Code;
 
 async fn scrape(addr: &str) -> String {
@@ -33,11 +33,17 @@ fn steps(text: &str, kind: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_count_exactly_what_the_node_did() {
-    let addr = format!("127.0.0.1:{}", free_port());
+    // Port 0: the kernel picks a free port (no other test can take it first); the log says which.
     let mut args = sim(r#"{"base_us": 2000, "poison_token": 999}"#);
-    args.extend(["--metrics-listen".to_string(), addr.clone()]);
+    args.extend(["--metrics-listen".to_string(), "127.0.0.1:0".to_string()]);
     let node = start_node(&args).await;
-    assert!(node.log().contains("metrics listening"), "the metrics address is logged:\n{}", node.log());
+    let log = node.log();
+    let addr = log
+        .lines()
+        .find(|l| l.contains("metrics listening"))
+        .and_then(|l| l.split("address=").nth(1)?.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the metrics address is logged:\n{log}"))
+        .to_string();
 
     let idle = scrape(&addr).await;
     assert!(value(&idle, "bellows_worker_kv_blocks_total") > 0.0);

@@ -70,18 +70,32 @@ pub struct Etcd {
 }
 
 impl Etcd {
+    /// Start a member on fresh ports; one that lost a port to another test (see
+    /// [`Process::lost_its_port`]) is started again on others.
     pub async fn start() -> Etcd {
         let mut e =
             Etcd { dir: TempDir::new().unwrap(), client_port: free_port(), peer_port: free_port(), child: None };
-        e.spawn().await;
+        for _ in 1..START_ATTEMPTS {
+            if e.spawn().await {
+                return e;
+            }
+            e.kill();
+            (e.client_port, e.peer_port) = (free_port(), free_port());
+        }
+        assert!(e.spawn().await, "etcd could not bind its ports:\n{}", e.log());
         e
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default()
     }
 
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.client_port)
     }
 
-    async fn spawn(&mut self) {
+    /// Spawn etcd and wait until it serves; false if it exited because a port was taken.
+    async fn spawn(&mut self) -> bool {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = File::options().create(true).append(true).open(self.dir.path().join("etcd.log")).unwrap();
         let child = Command::new("etcd")
@@ -96,11 +110,21 @@ impl Etcd {
             .expect("etcd runs (scripts/install-deps.sh installs it)");
         self.child = Some(child);
         let endpoint = self.endpoint();
-        eventually("etcd to serve", Duration::from_secs(20), || async {
-            let mut c = etcd_client::Client::connect([endpoint.as_str()], None).await.ok()?;
-            tokio::time::timeout(Duration::from_secs(1), c.get("probe", None)).await.ok()?.ok()
-        })
-        .await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.child.as_mut().is_some_and(|c| c.try_wait().unwrap().is_some()) {
+                let log = self.log();
+                assert!(log.contains("address already in use"), "etcd exited:\n{log}");
+                return false;
+            }
+            if let Ok(mut c) = etcd_client::Client::connect([endpoint.as_str()], None).await
+                && let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), c.get("probe", None)).await
+            {
+                return true;
+            }
+            assert!(Instant::now() < deadline, "etcd did not serve within 20 s:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub async fn client(&self) -> etcd_client::Client {
@@ -118,7 +142,7 @@ impl Etcd {
     /// Start again on the same data dir and ports.
     pub async fn restart(&mut self) {
         self.kill();
-        self.spawn().await;
+        assert!(self.spawn().await, "etcd lost its ports while down:\n{}", self.log());
     }
 }
 

@@ -2,12 +2,11 @@
 //! (opentelemetry-proto's trace service) running in the test.
 
 use std::{
-    net::SocketAddr,
     sync::{Arc, Mutex},
     time::Duration,
 };
 
-use bellows_integration::{Router, Worker, eventually, free_port, sim};
+use bellows_integration::{Router, Worker, eventually, sim};
 use opentelemetry_proto::tonic::{
     collector::trace::v1::{
         ExportTraceServiceRequest, ExportTraceServiceResponse,
@@ -74,10 +73,12 @@ fn hex(bytes: &[u8]) -> String {
 #[tokio::test]
 async fn one_trace_spans_router_and_workers_and_shows_a_retry_as_sibling_attempts() {
     let receiver = Receiver::default();
-    let port = free_port();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    // Port 0: the kernel picks a free port, so no other test can take it first.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
     let server = TraceServiceServer::new(receiver.clone());
-    tokio::spawn(tonic::transport::Server::builder().add_service(server).serve(addr));
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    tokio::spawn(tonic::transport::Server::builder().add_service(server).serve_with_incoming(incoming));
     let endpoint = format!("http://127.0.0.1:{port}");
     let env = [("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()), ("OTEL_BSP_SCHEDULE_DELAY", "100")];
 

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 #[allow(unused_imports)] // each test file uses part of the harness
-pub use bellows_integration::{Etcd, Worker as Node, eventually, free_port, sim};
+pub use bellows_integration::{Etcd, Worker as Node, eventually, sim};
 use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
 use tonic::{Status, transport::Channel};
 
