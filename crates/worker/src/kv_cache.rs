@@ -24,6 +24,12 @@ impl BlockId {
     pub fn index(self) -> usize {
         self.0 as usize
     }
+
+    /// Any block id, for tests of code that reads the pool's storage.
+    #[cfg(test)]
+    pub fn new(index: u32) -> Self {
+        BlockId(index)
+    }
 }
 
 /// A change to the set of cached block hashes.

@@ -94,22 +94,154 @@ fn slot_offset(blocks: &[crate::kv_cache::BlockId], block_size: usize, pos: usiz
     (blocks[pos / block_size].index() * block_size + pos % block_size) * row
 }
 
+/// Lanes of one AVX register: every dot product sums in these lanes, then folds them in a
+/// fixed tree, so its value is the same whichever kernel computed it.
+const LANES: usize = 8;
+/// Positions whose scores [`dot4`] computes together: four independent accumulator chains keep
+/// the core busy where one chain would wait on each add's latency.
+const DOT_BATCH: usize = 4;
+/// Output columns [`weighted_sum`] keeps in registers at once.
+const TILE: usize = 64;
+
+#[inline(always)]
+fn fold(acc: &[f32; LANES]) -> f32 {
+    (acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent lanes in a fixed order: one AVX register, and deterministic.
-    let mut acc = [0f32; 8];
-    let (ac, ar) = a.as_chunks::<8>();
-    let (bc, br) = b.as_chunks::<8>();
+    let mut acc = [0f32; LANES];
+    let (ac, ar) = a.as_chunks::<LANES>();
+    let (bc, br) = b.as_chunks::<LANES>();
     for (x, y) in ac.iter().zip(bc) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
+        for l in 0..LANES {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
         }
     }
-    let mut s = (acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    let mut s = fold(&acc);
     for (x, y) in ar.iter().zip(br) {
-        s += x * y;
+        s = x.mul_add(*y, s);
     }
     s
+}
+
+/// `q` against four key rows at once: each result is bit-for-bit [`dot`]`(q, k[j])` (the same
+/// lanes, the same fused multiply-adds in the same order), computed with four independent
+/// chains. Left to itself the compiler vectorizes this across the four keys instead of across
+/// lanes, which is slower than [`dot`]; with FMA the lanes are spelt out.
+#[inline(always)]
+fn dot4(q: &[f32], k: [&[f32]; DOT_BATCH]) -> [f32; DOT_BATCH] {
+    let whole = q.len() / LANES * LANES;
+    let mut acc = [[0f32; LANES]; DOT_BATCH];
+    #[cfg(all(target_arch = "x86_64", target_feature = "fma"))]
+    {
+        use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps};
+        assert!(k.iter().all(|k| k.len() >= whole), "key rows as long as the query");
+        // SAFETY: FMA and AVX are enabled at compile time (the cfg above); every load reads 8 floats at
+        // an index below `whole`, which no slice is shorter than (asserted above).
+        unsafe {
+            let mut a = [_mm256_setzero_ps(); DOT_BATCH];
+            for i in (0..whole).step_by(LANES) {
+                let x = _mm256_loadu_ps(q.as_ptr().add(i));
+                for j in 0..DOT_BATCH {
+                    a[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j].as_ptr().add(i)), a[j]);
+                }
+            }
+            for j in 0..DOT_BATCH {
+                _mm256_storeu_ps(acc[j].as_mut_ptr(), a[j]);
+            }
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "fma")))]
+    for i in (0..whole).step_by(LANES) {
+        for j in 0..DOT_BATCH {
+            for l in 0..LANES {
+                acc[j][l] = q[i + l].mul_add(k[j][i + l], acc[j][l]);
+            }
+        }
+    }
+    let mut out = [0f32; DOT_BATCH];
+    for j in 0..DOT_BATCH {
+        out[j] = fold(&acc[j]);
+        for (x, y) in q[whole..].iter().zip(&k[j][whole..]) {
+            out[j] = x.mul_add(*y, out[j]);
+        }
+    }
+    out
+}
+
+/// One sequence's K or V rows for one KV head, in position order: `rows(n)` yields, block by
+/// block, the element offset of each block's first row and how many of its rows are below `n`.
+struct PagedRows<'a> {
+    blocks: &'a [crate::kv_cache::BlockId],
+    block_size: usize,
+    /// Elements from one position's row to the next (all KV heads).
+    stride: usize,
+    /// Offset of this KV head within a row.
+    head: usize,
+}
+
+impl PagedRows<'_> {
+    fn runs(&self, n: usize) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        // (first position, element offset, rows) per block.
+        self.blocks
+            .iter()
+            .enumerate()
+            .map(move |(i, b)| (i * self.block_size, b.index() * self.block_size * self.stride + self.head))
+            .take_while(move |&(p, _)| p < n)
+            .map(move |(p, off)| (p, off, self.block_size.min(n - p)))
+    }
+}
+
+/// `scores[p] = dot(q, K[p]) * scale` for positions `0..scores.len()`.
+fn qk_scores(q: &[f32], keys: &[f32], rows: &PagedRows<'_>, scale: f32, scores: &mut [f32]) {
+    let hd = q.len();
+    for (p, off, len) in rows.runs(scores.len()) {
+        let key = |s: usize| &keys[off + s * rows.stride..off + s * rows.stride + hd];
+        let out = &mut scores[p..p + len];
+        let mut s = 0;
+        while s + DOT_BATCH <= len {
+            let d = dot4(q, [key(s), key(s + 1), key(s + 2), key(s + 3)]);
+            for j in 0..DOT_BATCH {
+                out[s + j] = d[j] * scale;
+            }
+            s += DOT_BATCH;
+        }
+        for (s, o) in out.iter_mut().enumerate().skip(s) {
+            *o = dot(q, key(s)) * scale;
+        }
+    }
+}
+
+/// `out = sum over p of weights[p] * V[p]`, each element summed in position order from 0 (so
+/// the same whatever computed it). Columns are taken [`TILE`] at a time, kept in registers.
+fn weighted_sum(weights: &[f32], values: &[f32], rows: &PagedRows<'_>, out: &mut [f32]) {
+    let (tiles, rest) = out.as_chunks_mut::<TILE>();
+    for (t, tile) in tiles.iter_mut().enumerate() {
+        let mut acc = [0f32; TILE];
+        for (p, off, len) in rows.runs(weights.len()) {
+            for s in 0..len {
+                let w = weights[p + s];
+                let v: &[f32; TILE] =
+                    values[off + s * rows.stride + t * TILE..][..TILE].try_into().expect("a whole tile");
+                for c in 0..TILE {
+                    acc[c] = w.mul_add(v[c], acc[c]);
+                }
+            }
+        }
+        *tile = acc;
+    }
+    let first = tiles.len() * TILE;
+    for (p, off, len) in rows.runs(weights.len()) {
+        for s in 0..len {
+            let w = weights[p + s];
+            let v = &values[off + s * rows.stride + first..][..rest.len()];
+            for (o, x) in rest.iter_mut().zip(v) {
+                *o = w.mul_add(*x, *o);
+            }
+        }
+    }
 }
 
 /// Apply rotary embedding to q and k, store k and v in the paged cache, then compute causal
@@ -152,34 +284,18 @@ pub fn paged_attention(
     let group = n_head / n_kv_head;
     let mut out = vec![0f32; q.len()];
     let kv = &*kv;
-    // One task per (token, KV head): the query heads sharing that KV head read each K/V row once.
+    // One task per (token, KV head): the query heads sharing that KV head read its K/V rows.
     let task = |i: usize, o: &mut [f32], scores: &mut Vec<f32>| {
         let (t, g) = (i / n_kv_head, i % n_kv_head);
         let (r, pos) = token_pos[t];
         let n = pos + 1;
         let qs = &q[t * q_row + g * group * hd..t * q_row + (g + 1) * group * hd];
+        let paged = PagedRows { blocks: rows[r].blocks, block_size, stride: kv_row, head: g * hd };
         scores.clear();
         scores.resize(group * n, 0.0);
-        // Walk the sequence's blocks in position order; rows within a block are contiguous.
-        let visit = |f: &mut dyn FnMut(usize, usize)| {
-            let mut p = 0;
-            for b in rows[r].blocks {
-                if p >= n {
-                    break;
-                }
-                let base = b.index() * block_size * kv_row + g * hd;
-                for s in 0..block_size.min(n - p) {
-                    f(p + s, base + s * kv_row);
-                }
-                p += block_size;
-            }
-        };
-        visit(&mut |p, off| {
-            let k = &kv.k[off..off + hd];
-            for (qh, qv) in qs.chunks_exact(hd).enumerate() {
-                scores[qh * n + p] = dot(qv, k) * scale;
-            }
-        });
+        for (qv, row) in qs.chunks_exact(hd).zip(scores.chunks_exact_mut(n)) {
+            qk_scores(qv, &kv.k, &paged, scale, row);
+        }
         for row in scores.chunks_exact_mut(n) {
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             let mut sum = 0f32;
@@ -190,15 +306,9 @@ pub fn paged_attention(
             let inv = 1.0 / sum;
             row.iter_mut().for_each(|x| *x *= inv);
         }
-        visit(&mut |p, off| {
-            let v = &kv.v[off..off + hd];
-            for (qh, oh) in o.chunks_exact_mut(hd).enumerate() {
-                let w = scores[qh * n + p];
-                for (o, x) in oh.iter_mut().zip(v) {
-                    *o += w * x;
-                }
-            }
-        });
+        for (oh, w) in o.chunks_exact_mut(hd).zip(scores.chunks_exact(n)) {
+            weighted_sum(w, &kv.v, &paged, oh);
+        }
     };
     // Small steps (decode) run on this thread: waking the pool costs more than the work.
     let work: usize = token_pos.iter().map(|&(_, p)| p + 1).sum::<usize>() * n_head * hd;
@@ -253,6 +363,55 @@ mod tests {
         rope.apply(&mut x, 11);
         let n1: f32 = x.iter().map(|a| a * a).sum();
         assert!((n0 - n1).abs() < 1e-3);
+    }
+
+    fn wave(n: usize, f: f32) -> Vec<f32> {
+        (0..n).map(|i| ((i as f32) * f).sin() * 3.0).collect()
+    }
+
+    #[test]
+    fn dot4_is_bit_for_bit_dot() {
+        for hd in [64, 67, 128] {
+            let q = wave(hd, 0.37);
+            let keys: Vec<Vec<f32>> = (0..4).map(|j| wave(hd, 0.11 + j as f32 * 0.07)).collect();
+            let got = dot4(&q, [&keys[0], &keys[1], &keys[2], &keys[3]]);
+            for j in 0..4 {
+                assert_eq!(got[j].to_bits(), dot(&q, &keys[j]).to_bits(), "hd {hd}, key {j}");
+            }
+        }
+    }
+
+    #[test]
+    fn paged_kernels_sum_every_position_in_order_across_scattered_blocks() {
+        use crate::kv_cache::BlockId;
+        let (block_size, n_kv_head, hd) = (4, 2, 72);
+        let stride = n_kv_head * hd;
+        let blocks: Vec<BlockId> = [5, 0, 3, 7].map(BlockId::new).to_vec();
+        let store = wave(8 * block_size * stride, 0.013);
+        let (g, n) = (1, 14); // the second KV head; 14 positions end mid-block
+        let paged = PagedRows { blocks: &blocks, block_size, stride, head: g * hd };
+        let row = |p: usize| {
+            let off = (blocks[p / block_size].index() * block_size + p % block_size) * stride + g * hd;
+            &store[off..off + hd]
+        };
+        let q = wave(hd, 0.29);
+        let mut scores = vec![0.0; n];
+        qk_scores(&q, &store, &paged, 0.5, &mut scores);
+        for (p, s) in scores.iter().enumerate() {
+            assert_eq!(s.to_bits(), (dot(&q, row(p)) * 0.5).to_bits(), "score of position {p}");
+        }
+        let mut out = vec![0.0; hd];
+        weighted_sum(&scores, &store, &paged, &mut out);
+        let mut expected = vec![0f32; hd];
+        for (p, w) in scores.iter().enumerate() {
+            for (e, x) in expected.iter_mut().zip(row(p)) {
+                *e = w.mul_add(*x, *e);
+            }
+        }
+        assert_eq!(
+            out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            expected.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
     }
 
     #[test]
