@@ -88,6 +88,19 @@ def print_overhead(groups):
               f"| {pair(m(key, 'latency_ms', 'p50'), m(key, 'latency_ms', 'p99'))} "
               f"| {pair(m(key, 'ttft_ms', 'p50'), m(key, 'ttft_ms', 'p99'))} | {cpu_s} "
               f"| {pair(lat1, ttft1) if one in groups else '-'} | {added} |")
+    # What the transports cost with nothing in between: the fake is a bare hyper server, and the
+    # load generator is an HTTP/1.1 client of it or a gRPC client of the simulated workers.
+    floors = [("direct-fake", "-", "text", "64", "whole"), ("direct-fake", "-", "text", "64", "stream"),
+              ("direct-sim", "-", "tokens", "64", "stream")]
+    if any(k in groups for k in floors):
+        print("\n| transport, no router | response | server CPU us/req | client CPU us/req (the load generator) |")
+        print("|---|---|---|---|")
+        for key in floors:
+            if key not in groups:
+                continue
+            server = fmt(m(key, "cpu", "us_per_request")) if key[0] == "direct-fake" else "-"
+            transport = "HTTP/1.1 (hyper)" if key[0] == "direct-fake" else "gRPC (tonic), one message per token"
+            print(f"| {transport} | {key[4]} | {server} | {fmt(m(key, 'client_cpu', 'us_per_request'))} |")
     # At 1 connection the benchmark itself keeps the machine under 20% busy: more means other
     # work shared the machine during that run.
     shared = [f"{'|'.join(k)} run {run} ({r['machine_cpu_busy']:.0%})" for k, rs in groups.items() if k[3] == "1"

@@ -11,7 +11,8 @@
 //!
 //! It prints one JSON object: requests/s, latency and TTFT percentiles, usage summed over the
 //! requests (prompt and cached tokens), optionally the CPU time of given processes per request
-//! (`--cpu-pid`, from /proc, over the measured phase only) and per-worker load (`--watch`).
+//! (`--cpu-pid`, from /proc, over the measured phase only; the generator's own CPU always, as
+//! `client_cpu`) and per-worker load (`--watch`).
 
 use std::{
     sync::{
@@ -175,9 +176,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     let watch = if args.watch.is_empty() { None } else { Some(Watch::start(&args.watch).await?) };
     let cpu_before = cpu_of(&args.cpu_pid)?;
+    let own_before = procstat::process_cpu_s(std::process::id())?;
     let machine_before = procstat::machine_cpu_s()?;
     let (_, samples, elapsed) = phase(clients, args.requests, &ctx, args.seed).await;
     let cpu_after = cpu_of(&args.cpu_pid)?;
+    let own_after = procstat::process_cpu_s(std::process::id())?;
     let machine_after = procstat::machine_cpu_s()?;
     let workers = match watch {
         Some(w) => w.finish().await,
@@ -192,18 +195,24 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let prompt_tokens: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
     let cached_tokens: u64 = ok.iter().map(|s| s.cached_tokens).sum();
     let elapsed_s = elapsed.as_secs_f64();
-    let cpu = (!args.cpu_pid.is_empty()).then(|| {
-        let (user, system) = (cpu_after.0 - cpu_before.0, cpu_after.1 - cpu_before.1);
+    let cpu_report = |before: (f64, f64), after: (f64, f64)| {
+        let (user, system) = (after.0 - before.0, after.1 - before.1);
         let per_request = |s: f64| round3(s * 1e6 / samples.len() as f64);
         json!({
-            "pids": args.cpu_pid,
             "seconds": round3(user + system),
             "us_per_request": per_request(user + system),
             "user_us_per_request": per_request(user),
             "system_us_per_request": per_request(system),
             "cores": round3((user + system) / elapsed_s),
         })
+    };
+    let cpu = (!args.cpu_pid.is_empty()).then(|| {
+        let mut c = cpu_report(cpu_before, cpu_after);
+        c["pids"] = json!(args.cpu_pid);
+        c
     });
+    // This generator's own CPU: what being the client of the target costs (plus its bookkeeping).
+    let client_cpu = cpu_report(own_before, own_after);
     let (busy, total) = (machine_after.0 - machine_before.0, machine_after.1 - machine_before.1);
     let mut out = json!({
         "label": args.label,
@@ -223,6 +232,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached_tokens,
         "cpu": cpu,
+        "client_cpu": client_cpu,
         "machine_cpu_busy": round3(if total > 0.0 { busy / total } else { 0.0 }),
         "workers": workers,
     });
