@@ -2,8 +2,8 @@
 //!
 //! Every query's scores are summed in position order 0..=pos, whatever the batch or chunk it came
 //! in: that fixed order is what makes a request's output independent of chunk size and of its
-//! batch neighbours (bit-exact, not merely close). Work is split across threads by (token, KV
-//! head), which changes who computes a value, never the order of its sums. The kernels below
+//! batch neighbours (bit-exact, not merely close). Work is split across threads by (tile of a
+//! row's tokens, KV head), which changes who computes a value, never the order of its sums. The kernels below
 //! compute several positions or columns at once for speed, and each is tested to give the very
 //! bits of the plain one-at-a-time loop.
 
@@ -102,8 +102,12 @@ const LANES: usize = 8;
 /// Positions whose scores [`dot_batch`] computes together: eight independent accumulator chains
 /// keep both FMA ports busy where one chain would wait on each add's latency.
 const DOT_BATCH: usize = 4;
-/// Output columns [`weighted_sum`] keeps in registers at once.
+/// Output columns [`weighted_run`] keeps in registers at once.
 const TILE: usize = 64;
+/// Query tokens of one sequence that one task serves together: each K/V block is read once for
+/// all of them, while it is in cache, instead of once per token (prefill was bound by those
+/// reads).
+const QUERY_TILE: usize = 16;
 
 #[inline(always)]
 fn fold(acc: &[f32; LANES]) -> f32 {
@@ -217,53 +221,63 @@ impl PagedRows<'_> {
     }
 }
 
-/// `scores[p] = dot(q, K[p]) * scale` for positions `0..scores.len()`.
-fn qk_scores(q: &[f32], keys: &[f32], rows: &PagedRows<'_>, scale: f32, scores: &mut [f32]) {
+/// `out[s] = dot(q, K[s]) * scale` for consecutive key rows `s`, the first at element `off`.
+fn qk_run(q: &[f32], keys: &[f32], off: usize, stride: usize, scale: f32, out: &mut [f32]) {
     let hd = q.len();
-    for (p, off, len) in rows.runs(scores.len()) {
-        let key = |s: usize| &keys[off + s * rows.stride..off + s * rows.stride + hd];
-        let out = &mut scores[p..p + len];
-        let mut s = 0;
-        while s + DOT_BATCH <= len {
-            let d = dot_batch(q, std::array::from_fn(|j| key(s + j)));
-            for j in 0..DOT_BATCH {
-                out[s + j] = d[j] * scale;
-            }
-            s += DOT_BATCH;
+    let key = |s: usize| &keys[off + s * stride..off + s * stride + hd];
+    let mut s = 0;
+    while s + DOT_BATCH <= out.len() {
+        let d = dot_batch(q, std::array::from_fn(|j| key(s + j)));
+        for j in 0..DOT_BATCH {
+            out[s + j] = d[j] * scale;
         }
-        for (s, o) in out.iter_mut().enumerate().skip(s) {
-            *o = dot(q, key(s)) * scale;
-        }
+        s += DOT_BATCH;
+    }
+    for (s, o) in out.iter_mut().enumerate().skip(s) {
+        *o = dot(q, key(s)) * scale;
     }
 }
 
-/// `out = sum over p of weights[p] * V[p]`, each element summed in position order from 0 (so
-/// the same whatever computed it). Columns are taken [`TILE`] at a time, kept in registers.
-fn weighted_sum(weights: &[f32], values: &[f32], rows: &PagedRows<'_>, out: &mut [f32]) {
+/// `out += weights[s] * V[s]` for consecutive value rows `s`, the first at element `off`, added
+/// in row order: called block after block, each element is summed in position order from 0.
+/// Columns are taken [`TILE`] at a time, kept in registers.
+fn weighted_run(weights: &[f32], values: &[f32], off: usize, stride: usize, out: &mut [f32]) {
     let (tiles, rest) = out.as_chunks_mut::<TILE>();
     for (t, tile) in tiles.iter_mut().enumerate() {
-        let mut acc = [0f32; TILE];
-        for (p, off, len) in rows.runs(weights.len()) {
-            for s in 0..len {
-                let w = weights[p + s];
-                let v: &[f32; TILE] =
-                    values[off + s * rows.stride + t * TILE..][..TILE].try_into().expect("a whole tile");
-                for c in 0..TILE {
-                    acc[c] = w.mul_add(v[c], acc[c]);
-                }
+        let mut acc = *tile;
+        for (s, &w) in weights.iter().enumerate() {
+            let v: &[f32; TILE] = values[off + s * stride + t * TILE..][..TILE].try_into().expect("a whole tile");
+            for c in 0..TILE {
+                acc[c] = w.mul_add(v[c], acc[c]);
             }
         }
         *tile = acc;
     }
     let first = tiles.len() * TILE;
-    for (p, off, len) in rows.runs(weights.len()) {
-        for s in 0..len {
-            let w = weights[p + s];
-            let v = &values[off + s * rows.stride + first..][..rest.len()];
-            for (o, x) in rest.iter_mut().zip(v) {
-                *o = w.mul_add(*x, *o);
-            }
+    for (s, &w) in weights.iter().enumerate() {
+        let v = &values[off + s * stride + first..][..rest.len()];
+        for (o, x) in rest.iter_mut().zip(v) {
+            *o = w.mul_add(*x, *o);
         }
+    }
+}
+
+/// The output of a step, written by many tasks at once, each to its own places.
+struct DisjointOut {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: tasks only write through `slice`, whose contract keeps their regions apart.
+unsafe impl Sync for DisjointOut {}
+
+impl DisjointOut {
+    /// SAFETY: no other live slice from this value may overlap `start..start + len`.
+    #[allow(clippy::mut_from_ref)] // the caller's contract is what makes this sound
+    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(start + len <= self.len, "inside the output");
+        // SAFETY: in bounds (asserted); exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
     }
 }
 
@@ -307,52 +321,71 @@ pub fn paged_attention(
     let group = n_head / n_kv_head;
     let mut out = vec![0f32; q.len()];
     let kv = &*kv;
-    // One task per (token, KV head): the query heads sharing that KV head read its K/V rows.
-    let task = |i: usize, o: &mut [f32], scores: &mut Vec<f32>| {
-        let (t, g) = (i / n_kv_head, i % n_kv_head);
-        let (r, pos) = token_pos[t];
-        let n = pos + 1;
-        let qs = &q[t * q_row + g * group * hd..t * q_row + (g + 1) * group * hd];
+    // Tiles of up to QUERY_TILE consecutive tokens of one row: (row, first token index, tokens).
+    let mut tiles = Vec::new();
+    let mut t0 = 0;
+    for (r, row) in rows.iter().enumerate() {
+        for first in (0..row.tokens.len()).step_by(QUERY_TILE) {
+            tiles.push((r, t0 + first, QUERY_TILE.min(row.tokens.len() - first)));
+        }
+        t0 += row.tokens.len();
+    }
+    let shared = DisjointOut { ptr: out.as_mut_ptr(), len: out.len() };
+    // One task per (tile, KV head), the latest tiles (the most positions) first. The tile's
+    // queries of every head in the group take each K/V block in turn while it is in cache.
+    let task = |i: usize, scores: &mut Vec<f32>| {
+        let (r, t0, m) = tiles[tiles.len() - 1 - i / n_kv_head];
+        let g = i % n_kv_head;
+        let p0 = token_pos[t0].1;
+        let n_max = p0 + m;
         let paged = PagedRows { blocks: rows[r].blocks, block_size, stride: kv_row, head: g * hd };
+        // Query (j, h) has positions 0..=p0+j; its scores are row j * group + h of `scores`.
+        let visible = |j: usize, p: usize, len: usize| len.min((p0 + j + 1).saturating_sub(p));
         scores.clear();
-        scores.resize(group * n, 0.0);
-        for (qv, row) in qs.chunks_exact(hd).zip(scores.chunks_exact_mut(n)) {
-            qk_scores(qv, &kv.k, &paged, scale, row);
+        scores.resize(m * group * n_max, 0.0);
+        for (p, off, len) in paged.runs(n_max) {
+            for j in (0..m).filter(|&j| visible(j, p, len) > 0) {
+                for h in 0..group {
+                    let qv = &q[(t0 + j) * q_row + (g * group + h) * hd..][..hd];
+                    let row = &mut scores[(j * group + h) * n_max + p..][..visible(j, p, len)];
+                    qk_run(qv, &kv.k, off, kv_row, scale, row);
+                }
+            }
         }
-        for row in scores.chunks_exact_mut(n) {
-            softmax(row);
+        for j in 0..m {
+            for h in 0..group {
+                softmax(&mut scores[(j * group + h) * n_max..][..p0 + j + 1]);
+            }
         }
-        for (oh, w) in o.chunks_exact_mut(hd).zip(scores.chunks_exact(n)) {
-            weighted_sum(w, &kv.v, &paged, oh);
+        for (p, off, len) in paged.runs(n_max) {
+            for j in (0..m).filter(|&j| visible(j, p, len) > 0) {
+                for h in 0..group {
+                    // SAFETY: head (g * group + h) of token t0 + j belongs to this task alone.
+                    let o = unsafe { shared.slice((t0 + j) * q_row + (g * group + h) * hd, hd) };
+                    let w = &scores[(j * group + h) * n_max + p..][..visible(j, p, len)];
+                    weighted_run(w, &kv.v, off, kv_row, o);
+                }
+            }
         }
     };
     // Small steps (decode) run on this thread: waking the pool costs more than the work.
     let work: usize = token_pos.iter().map(|&(_, p)| p + 1).sum::<usize>() * n_head * hd;
-    for_each_chunk(&mut out, group * hd, work >= PARALLEL_MIN_WORK, task);
+    run_tasks(tiles.len() * n_kv_head, work >= PARALLEL_MIN_WORK, task);
     out
 }
 
-/// Run `f(i, chunk i, scratch)` over the `width`-wide chunks of `out`, in parallel on candle's
-/// matmul thread pool: attention and matmuls then share one set of threads. (A second pool, such
-/// as rayon's, spins beside candle's and oversubscribes the cores.)
-fn for_each_chunk(out: &mut [f32], width: usize, parallel: bool, f: impl Fn(usize, &mut [f32], &mut Vec<f32>) + Sync) {
+/// Run `f(i, scratch)` for every task `i`, in parallel on candle's matmul thread pool:
+/// attention and matmuls then share one set of threads. (A second pool, such as rayon's, spins
+/// beside candle's and oversubscribes the cores.)
+fn run_tasks(n: usize, parallel: bool, f: impl Fn(usize, &mut Vec<f32>) + Sync) {
     if !parallel {
         let mut scratch = Vec::new();
-        for (i, c) in out.chunks_mut(width).enumerate() {
-            f(i, c, &mut scratch);
-        }
+        (0..n).for_each(|i| f(i, &mut scratch));
         return;
     }
-    let n = out.len() / width;
-    let base = out.as_mut_ptr() as usize;
     candle_core::utils::barrier_pool().execute_chunked(n, |range| {
         let mut scratch = Vec::new();
-        for i in range {
-            // SAFETY: execute_chunked hands each index to exactly one thread, so chunk i has one
-            // writer; `out` outlives the call, which returns only when every worker is done.
-            let chunk = unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add(i * width), width) };
-            f(i, chunk, &mut scratch);
-        }
+        range.for_each(|i| f(i, &mut scratch));
     });
 }
 
@@ -412,22 +445,61 @@ mod tests {
         };
         let q = wave(hd, 0.29);
         let mut scores = vec![0.0; n];
-        qk_scores(&q, &store, &paged, 0.5, &mut scores);
+        for (p, off, len) in paged.runs(n) {
+            qk_run(&q, &store, off, stride, 0.5, &mut scores[p..p + len]);
+        }
         for (p, s) in scores.iter().enumerate() {
             assert_eq!(s.to_bits(), (dot(&q, row(p)) * 0.5).to_bits(), "score of position {p}");
         }
         let mut out = vec![0.0; hd];
-        weighted_sum(&scores, &store, &paged, &mut out);
+        for (p, off, len) in paged.runs(n) {
+            weighted_run(&scores[p..p + len], &store, off, stride, &mut out);
+        }
         let mut expected = vec![0f32; hd];
         for (p, w) in scores.iter().enumerate() {
             for (e, x) in expected.iter_mut().zip(row(p)) {
                 *e = w.mul_add(*x, *e);
             }
         }
-        assert_eq!(
-            out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            expected.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&out), bits(&expected));
+    }
+
+    /// Attention for `tokens` new tokens after `cached`, as one step or token by token.
+    fn attend(cached: usize, tokens: usize, one_by_one: bool) -> Vec<f32> {
+        use crate::kv_cache::BlockId;
+        let heads = Heads { n_head: 6, n_kv_head: 2, head_dim: 64 };
+        let (q_row, kv_row) = (6 * 64, 2 * 64);
+        let mut kv = LayerKv::new(16, 4, heads);
+        let blocks: Vec<BlockId> = [9, 2, 14, 0, 5, 11, 3, 7, 1, 12].map(BlockId::new).to_vec();
+        let rope = Rope::new(RopeStyle::Halves, 64, 10000.0, 64);
+        let all = cached + tokens;
+        let (q, k, v) = (wave(all * q_row, 0.031), wave(all * kv_row, 0.023), wave(all * kv_row, 0.017));
+        let ids = vec![0u32; all];
+        let mut out = Vec::new();
+        let steps: Vec<(usize, usize)> =
+            if one_by_one { (0..all).map(|p| (p, 1)).collect() } else { vec![(0, cached), (cached, tokens)] };
+        for (start, len) in steps {
+            let row = BatchRow { tokens: &ids[..len], start_pos: start, blocks: &blocks, want_logits: false };
+            let (mut qs, mut ks) =
+                (q[start * q_row..][..len * q_row].to_vec(), k[start * kv_row..][..len * kv_row].to_vec());
+            let vs = &v[start * kv_row..][..len * kv_row];
+            let o = paged_attention(&[row], &mut qs, &mut ks, vs, &mut kv, heads, &rope);
+            if start >= cached {
+                out.extend(o);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_tile_of_queries_gives_each_token_the_bits_it_gets_alone() {
+        // 37 new tokens: two whole tiles and a partial one, over 3 cached positions.
+        let tiled = attend(3, 37, false);
+        let alone = attend(3, 37, true);
+        assert_eq!(tiled.len(), alone.len());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&tiled) == bits(&alone), "tiled attention differs from token-by-token");
     }
 
     #[test]
