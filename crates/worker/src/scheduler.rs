@@ -173,6 +173,16 @@ pub struct Sequence {
     reply: UnboundedSender<Event>,
 }
 
+/// What one generated token does to its request.
+enum Advance {
+    /// Send this text (possibly empty: held back) and go on.
+    Go(String),
+    /// The request stops at this token: send `text`, then, if `flush`, what was held back (a
+    /// stop token or EOS ends the text there; a stop string's match discards what follows).
+    /// A stop token's own text is never sent.
+    Stop { text: String, flush: bool },
+}
+
 /// Everything needed to build a [`Sequence`].
 pub struct SequenceInit {
     pub id: u64,
@@ -211,17 +221,15 @@ impl Sequence {
         }
     }
 
-    /// Pass generated token `t` through the stop tokens, the detokenizer and the stop strings:
-    /// the text it releases, and `Some(flush)` if it stops the request (`flush`: text held back
-    /// must still be sent). A stop token's own text is never sent.
-    fn advance(&mut self, t: u32, vocab: &dyn Vocab) -> (String, Option<bool>) {
+    /// Pass generated token `t` through the stop tokens, the detokenizer and the stop strings.
+    fn advance(&mut self, t: u32, vocab: &dyn Vocab) -> Advance {
         if self.stop_ids.contains(&t) || (!self.ignore_eos && vocab.eos_ids().contains(&t)) {
-            return (String::new(), Some(true));
+            return Advance::Stop { text: String::new(), flush: true };
         }
         let text = self.detok.push(vocab.token_bytes(t));
         match self.stop.push(&text) {
-            StopCheck::Stopped(x) => (x, Some(false)),
-            StopCheck::Continue(x) => (x, None),
+            StopCheck::Stopped(text) => Advance::Stop { text, flush: false },
+            StopCheck::Continue(text) => Advance::Go(text),
         }
     }
 
@@ -233,7 +241,7 @@ impl Sequence {
         for i in self.tokens.len() - n..self.tokens.len() {
             let t = self.tokens[i];
             self.sampler.replay(t);
-            if let (_, Some(flush)) = self.advance(t, vocab) {
+            if let Advance::Stop { flush, .. } = self.advance(t, vocab) {
                 let text = if flush { self.flush() } else { String::new() };
                 let _ = self.reply.send(Event::Finished { text, reason: FinishReason::Stop, usage: self.usage() });
                 return true;
@@ -548,11 +556,15 @@ impl Scheduler {
     /// Stream token `t` of sequence `s`; returns why it finished, if it did, and whether text
     /// held back (partial characters, possible stop-string starts) must still be flushed.
     fn emit(s: &mut Sequence, t: u32, vocab: &dyn Vocab) -> Option<(FinishReason, bool)> {
-        let (text, stop) = s.advance(t, vocab);
-        let _ = s.reply.send(Event::Token { id: t, text });
-        match stop {
-            Some(flush) => Some((FinishReason::Stop, flush)),
-            None => (s.tokens.len() >= s.max_len).then_some((FinishReason::Length, true)),
+        match s.advance(t, vocab) {
+            Advance::Stop { text, flush } => {
+                let _ = s.reply.send(Event::Token { id: t, text });
+                Some((FinishReason::Stop, flush))
+            }
+            Advance::Go(text) => {
+                let _ = s.reply.send(Event::Token { id: t, text });
+                (s.tokens.len() >= s.max_len).then_some((FinishReason::Length, true))
+            }
         }
     }
 
