@@ -242,12 +242,17 @@ impl Sequence {
             let t = self.tokens[i];
             self.sampler.replay(t);
             if let Advance::Stop { flush, .. } = self.advance(t, vocab) {
-                let text = if flush { self.flush() } else { String::new() };
-                let _ = self.reply.send(Event::Finished { text, reason: FinishReason::Stop, usage: self.usage() });
+                self.finish(FinishReason::Stop, flush);
                 return true;
             }
         }
         false
+    }
+
+    /// Send the last event: `Finished`, with the text held back if `flush`.
+    fn finish(&mut self, reason: FinishReason, flush: bool) {
+        let text = if flush { self.flush() } else { String::new() };
+        let _ = self.reply.send(Event::Finished { text, reason, usage: self.usage() });
     }
 
     /// Text still held back at the end of a stream that did not end on a stop string.
@@ -539,8 +544,7 @@ impl Scheduler {
             s.tokens.push(t);
             self.stats.generated_tokens.fetch_add(1, Relaxed);
             if let Some((reason, flush)) = Self::emit(s, t, self.vocab.as_ref()) {
-                let text = if flush { s.flush() } else { String::new() };
-                let _ = s.reply.send(Event::Finished { text, reason, usage: s.usage() });
+                s.finish(reason, flush);
                 finished.push(p.seq);
             }
         }
@@ -556,16 +560,12 @@ impl Scheduler {
     /// Stream token `t` of sequence `s`; returns why it finished, if it did, and whether text
     /// held back (partial characters, possible stop-string starts) must still be flushed.
     fn emit(s: &mut Sequence, t: u32, vocab: &dyn Vocab) -> Option<(FinishReason, bool)> {
-        match s.advance(t, vocab) {
-            Advance::Stop { text, flush } => {
-                let _ = s.reply.send(Event::Token { id: t, text });
-                Some((FinishReason::Stop, flush))
-            }
-            Advance::Go(text) => {
-                let _ = s.reply.send(Event::Token { id: t, text });
-                (s.tokens.len() >= s.max_len).then_some((FinishReason::Length, true))
-            }
-        }
+        let (text, finish) = match s.advance(t, vocab) {
+            Advance::Stop { text, flush } => (text, Some((FinishReason::Stop, flush))),
+            Advance::Go(text) => (text, (s.tokens.len() >= s.max_len).then_some((FinishReason::Length, true))),
+        };
+        let _ = s.reply.send(Event::Token { id: t, text });
+        finish
     }
 
     fn fail_step(&mut self, plan: &[Planned], message: &str) {

@@ -17,11 +17,11 @@ use tempfile::TempDir;
 use tonic::transport::Channel;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
-/// A port nothing listens on right now.
 /// Processes that find their port taken (see [`Process::lost_its_port`]) are started this many
 /// times, each on a fresh port.
 const START_ATTEMPTS: usize = 3;
 
+/// A port nothing listens on right now.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -360,9 +360,16 @@ impl Router {
                 if router.process.lost_its_port() && attempt < START_ATTEMPTS {
                     break;
                 }
-                let log = router.process.log();
-                assert!(!router.process.exited(), "router exited before answering /health; log:\n{log}");
-                assert!(Instant::now() < deadline, "the router did not answer /health within 30 s; log:\n{log}");
+                assert!(
+                    !router.process.exited(),
+                    "router exited before answering /health; log:\n{}",
+                    router.process.log()
+                );
+                assert!(
+                    Instant::now() < deadline,
+                    "the router did not answer /health within 30 s; log:\n{}",
+                    router.process.log()
+                );
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
