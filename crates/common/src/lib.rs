@@ -3,6 +3,7 @@
 //! the chat-template rendering.
 pub mod chat_template;
 pub mod cluster;
+pub mod constraint;
 pub mod duration;
 pub mod prefix_hash;
 pub mod telemetry;

@@ -21,6 +21,7 @@ use bellows_common::prefix_hash::{BlockHash, ChainRoot};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use crate::{
+    constraint::GrammarCompiler,
     kv_cache::{BlockPool, KvEvent},
     model::{Backend, ModelSpec},
     request::{Event, GenerateRequest, SubmitError},
@@ -69,6 +70,7 @@ struct Shared {
     next_id: AtomicU64,
     /// For replaying a resumed request's earlier output at submission.
     vocab: Arc<dyn Vocab>,
+    grammars: GrammarCompiler,
 }
 
 /// Owns the engine thread; dropping it stops the thread (in-flight requests fail).
@@ -97,10 +99,11 @@ impl Engine {
         let shared = Arc::new(Shared {
             stats: stats.clone(),
             context: spec.context_length.min(num_blocks * s.block_size),
-            spec,
             block_size: s.block_size,
             max_waiting: s.max_waiting,
             next_id: AtomicU64::new(1),
+            grammars: GrammarCompiler::new(vocab.clone(), spec.vocab_size),
+            spec,
             vocab: vocab.clone(),
         });
         let (tx, rx) = mpsc::channel();
@@ -183,7 +186,9 @@ impl EngineHandle {
         self.shared.stats.snapshot()
     }
 
-    /// Validate and enqueue a request. Refusals cost no model work.
+    /// Validate and enqueue a request. Refusals cost no model work. A constrained request's
+    /// grammar is compiled here, on the caller's thread (bounded by the constraint limits), so
+    /// the engine thread never waits on a compile.
     pub fn submit(&self, req: GenerateRequest) -> Result<EventStream, SubmitError> {
         let sh = &self.shared;
         let vocab = sh.spec.vocab_size;
@@ -212,6 +217,11 @@ impl EngineHandle {
             });
         }
 
+        let grammar = match &req.constraint {
+            Some(c) => Some(sh.grammars.compile(c).map_err(|e| SubmitError::InvalidConstraint(e.0))?),
+            None => None,
+        };
+
         // The cap: one atomic step, so concurrent submitters cannot overshoot it.
         let waiting = &sh.stats.waiting_requests;
         if waiting.fetch_update(Relaxed, Relaxed, |w| (w < sh.max_waiting as u64).then_some(w + 1)).is_err() {
@@ -223,6 +233,7 @@ impl EngineHandle {
         let mut seq = Sequence::new(SequenceInit {
             id: sh.next_id.fetch_add(1, Relaxed),
             sampler: Sampler::new(req.params, &req.prompt),
+            grammar,
             max_len: prompt + completion,
             prompt: req.prompt,
             root,
@@ -232,10 +243,17 @@ impl EngineHandle {
             progress: req.progress,
             reply,
         });
-        if seq.resume(req.resumed_tokens, sh.vocab.as_ref()) {
-            // The earlier attempt had already stopped; only its Finished was lost.
-            waiting.fetch_sub(1, Relaxed);
-            return Ok(stream);
+        match seq.resume(req.resumed_tokens, sh.vocab.as_ref()) {
+            Ok(false) => {}
+            Ok(true) => {
+                // The earlier attempt had already stopped; only its Finished was lost.
+                waiting.fetch_sub(1, Relaxed);
+                return Ok(stream);
+            }
+            Err(e) => {
+                waiting.fetch_sub(1, Relaxed);
+                return Err(SubmitError::InvalidConstraint(e.0));
+            }
         }
         if self.tx.send(Command::Submit(Box::new(seq))).is_err() {
             waiting.fetch_sub(1, Relaxed);

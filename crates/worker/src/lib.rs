@@ -2,6 +2,7 @@
 //! chunked-prefill continuous batcher, driven through [`engine::EngineHandle`].
 
 pub mod bench;
+pub mod constraint;
 pub mod engine;
 pub mod kv_cache;
 pub mod load;

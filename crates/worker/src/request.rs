@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use bellows_common::constraint::Constraint;
+
 use crate::sampling::SamplingParams;
 
 /// A generation request, already tokenized.
@@ -23,6 +25,8 @@ pub struct GenerateRequest {
     /// they are replayed through the detokenizer, stop strings and sampler without being sent, so
     /// the request continues exactly where that attempt stopped. Less than the prompt's length.
     pub resumed_tokens: usize,
+    /// The output must match this (structured outputs); `None` = free text.
+    pub constraint: Option<Constraint>,
 }
 
 impl GenerateRequest {
@@ -37,6 +41,7 @@ impl GenerateRequest {
             cache_salt: None,
             progress: false,
             resumed_tokens: 0,
+            constraint: None,
         }
     }
 }
@@ -100,6 +105,8 @@ pub enum SubmitError {
     ZeroMaxTokens,
     #[error("invalid {param}: {reason}")]
     InvalidParameter { param: &'static str, reason: String },
+    #[error("invalid constraint: {0}")]
+    InvalidConstraint(String),
     #[error("too many requests waiting ({cap}); retry after {retry_after:?}")]
     QueueFull { cap: usize, retry_after: Duration },
     #[error("the engine is shutting down")]

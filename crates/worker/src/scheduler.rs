@@ -13,22 +13,28 @@
 //!    step that also decodes is steered so the step takes at most that multiple of a decode-only
 //!    step: running streams keep their pace, long prompts take longer;
 //! 5. runs the model once, samples every row that reached its end, and streams each request's
-//!    text to its own channel.
+//!    text to its own channel. Rows with a grammar (structured outputs) have their token masks
+//!    computed on another thread while the forward pass runs, and applied before sampling; a
+//!    step with no such row starts no thread, so unconstrained traffic pays nothing.
 //!
 //! All per-request state lives in [`Sequence`], found by position only within one tick; a
 //! request finishing mid-batch cannot shift another's sampler, stop strings or channel.
 
 use std::{
-    collections::VecDeque,
+    collections::{HashMap, VecDeque},
     panic::{AssertUnwindSafe, catch_unwind},
     sync::{Arc, atomic::Ordering::Relaxed},
     time::Instant,
 };
 
-use bellows_common::prefix_hash::{BlockHash, ChainRoot, block_hash, prefix_block_hashes};
+use bellows_common::{
+    constraint::ConstraintError,
+    prefix_hash::{BlockHash, ChainRoot, block_hash, prefix_block_hashes},
+};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::{
+    constraint::{Grammar, TokenMask},
     kv_cache::{BlockId, BlockPool, KvEvent},
     model::{Backend, BatchRow},
     request::{Event, FinishReason, Progress, Usage},
@@ -164,6 +170,8 @@ pub struct Sequence {
     /// Still counted against the waiting cap (never admitted yet).
     counted_waiting: bool,
     sampler: Sampler,
+    /// The constraint's state after every generated token; `None` = free text.
+    grammar: Option<Grammar>,
     stop: StopMatcher,
     detok: Detokenizer,
     stop_ids: Vec<u32>,
@@ -190,6 +198,7 @@ pub struct SequenceInit {
     pub max_len: usize,
     pub root: ChainRoot,
     pub sampler: Sampler,
+    pub grammar: Option<Grammar>,
     pub stop: Vec<String>,
     pub stop_ids: Vec<u32>,
     pub ignore_eos: bool,
@@ -212,6 +221,7 @@ impl Sequence {
             expected_cached: 0,
             counted_waiting: true,
             sampler: i.sampler,
+            grammar: i.grammar,
             stop: StopMatcher::new(i.stop),
             detok: Detokenizer::new(),
             stop_ids: i.stop_ids,
@@ -235,18 +245,33 @@ impl Sequence {
 
     /// Replay the last `n` prompt tokens as this request's own earlier output (see
     /// [`crate::request::GenerateRequest::resumed_tokens`]): their text is not sent again, but
-    /// what the earlier attempt held back stays held here. Returns true, after sending
-    /// Finished, if they already stopped the request.
-    pub fn resume(&mut self, n: usize, vocab: &dyn Vocab) -> bool {
+    /// what the earlier attempt held back stays held here, and the grammar (if any) is rebuilt
+    /// by committing them. Returns true, after sending Finished, if they already stopped the
+    /// request; an error if they leave the request's constraint.
+    pub fn resume(&mut self, n: usize, vocab: &dyn Vocab) -> Result<bool, ConstraintError> {
         for i in self.tokens.len() - n..self.tokens.len() {
             let t = self.tokens[i];
             self.sampler.replay(t);
-            if let Advance::Stop { flush, .. } = self.advance(t, vocab) {
-                self.finish(FinishReason::Stop, flush);
-                return true;
+            let complete = match &mut self.grammar {
+                Some(g) => {
+                    g.commit(t).map_err(|e| ConstraintError(format!("resumed token {t} at {i}: {e}")))?;
+                    g.is_complete()
+                }
+                None => false,
+            };
+            match self.advance(t, vocab) {
+                Advance::Stop { flush, .. } => {
+                    self.finish(FinishReason::Stop, flush);
+                    return Ok(true);
+                }
+                Advance::Go(_) if complete => {
+                    self.finish(FinishReason::Stop, true);
+                    return Ok(true);
+                }
+                Advance::Go(_) => {}
             }
         }
-        false
+        Ok(false)
     }
 
     /// Send the last event: `Finished`, with the text held back if `flush`.
@@ -276,6 +301,9 @@ impl Sequence {
         }
     }
 }
+
+/// This step's token masks, by running-sequence index.
+type Masks = HashMap<usize, Result<TokenMask, ConstraintError>>;
 
 /// One row of the planned step: which running sequence, how many of its pending tokens.
 struct Planned {
@@ -346,6 +374,7 @@ impl Scheduler {
 
         self.publish_gauges();
         let started = Instant::now();
+        let mut grammars = self.take_grammars(&plan);
         let rows: Vec<BatchRow<'_>> = plan
             .iter()
             .map(|p| {
@@ -358,15 +387,26 @@ impl Scheduler {
                 }
             })
             .collect();
-        let result = catch_unwind(AssertUnwindSafe(|| backend.forward(&rows)));
+        let (result, masks) = std::thread::scope(|scope| {
+            // Masks depend only on each row's own committed tokens: compute them while the
+            // forward runs.
+            let masks = (!grammars.is_empty()).then(|| {
+                scope.spawn(|| grammars.iter_mut().map(|(seq, g)| (*seq, g.mask())).collect::<HashMap<_, _>>())
+            });
+            let result = catch_unwind(AssertUnwindSafe(|| backend.forward(&rows)));
+            (result, masks.map(|h| h.join().expect("mask computation does not panic")).unwrap_or_default())
+        });
         drop(rows);
+        for (seq, g) in grammars.drain(..) {
+            self.running[seq].grammar = Some(g);
+        }
         let (mut prefill_tokens, mut decode_tokens) = (0, 0);
         for p in &plan {
             if self.running[p.seq].pending() == 1 { decode_tokens += 1 } else { prefill_tokens += p.len }
         }
 
         match result {
-            Ok(Ok(logits)) => self.apply(&plan, logits),
+            Ok(Ok(logits)) => self.apply(&plan, logits, masks),
             Ok(Err(e)) => self.fail_step(&plan, &format!("model error: {e:#}")),
             Err(panic) => {
                 let msg = panic
@@ -385,6 +425,21 @@ impl Scheduler {
         self.stats.record_step(prefill_tokens, decode_tokens, plan.len(), took);
         self.publish_gauges();
         true
+    }
+
+    /// The grammars of this step's constrained rows that will sample, moved out of their
+    /// sequences for the mask thread (and put back after the forward).
+    fn take_grammars(&mut self, plan: &[Planned]) -> Vec<(usize, Grammar)> {
+        let mut taken = Vec::new();
+        for p in plan {
+            let s = &mut self.running[p.seq];
+            if s.computed + p.len == s.tokens.len()
+                && let Some(g) = s.grammar.take()
+            {
+                taken.push((p.seq, g));
+            }
+        }
+        taken
     }
 
     fn reap_cancelled(&mut self) {
@@ -519,10 +574,11 @@ impl Scheduler {
     }
 
     /// After a successful forward: advance, register full blocks, sample, stream, finish.
-    fn apply(&mut self, plan: &[Planned], logits: Vec<Vec<f32>>) {
+    fn apply(&mut self, plan: &[Planned], logits: Vec<Vec<f32>>, mut masks: Masks) {
         let bs = self.cfg.block_size;
         let mut logits = logits.into_iter();
         let mut finished: Vec<usize> = Vec::new();
+        let mut failed: Vec<(usize, String)> = Vec::new();
         for p in plan {
             let s = &mut self.running[p.seq];
             if s.progress && s.tokens.len() == s.prompt_len {
@@ -539,9 +595,13 @@ impl Scheduler {
                 continue; // mid-prefill: no token yet
             }
             let mut row = logits.next().expect("one logits row per finished row");
-            let t = s.sampler.sample(&mut row);
-            s.sampler.observe(t);
-            s.tokens.push(t);
+            let t = match Self::sample(s, &mut row, masks.remove(&p.seq)) {
+                Ok(t) => t,
+                Err(e) => {
+                    failed.push((p.seq, format!("constraint: {e}")));
+                    continue;
+                }
+            };
             self.stats.generated_tokens.fetch_add(1, Relaxed);
             if let Some((reason, flush)) = Self::emit(s, t, self.vocab.as_ref()) {
                 s.finish(reason, flush);
@@ -549,19 +609,49 @@ impl Scheduler {
             }
         }
         // Remove back to front so earlier indices stay valid.
-        finished.sort_unstable();
-        for &i in finished.iter().rev() {
+        let mut done: Vec<(usize, Option<String>)> =
+            finished.into_iter().map(|i| (i, None)).chain(failed.into_iter().map(|(i, e)| (i, Some(e)))).collect();
+        done.sort_unstable_by_key(|d| d.0);
+        for (i, error) in done.into_iter().rev() {
             let s = self.running.remove(i);
             self.pool.release(&s.blocks);
-            self.stats.requests_finished.fetch_add(1, Relaxed);
+            match error {
+                None => self.stats.requests_finished.fetch_add(1, Relaxed),
+                Some(message) => {
+                    let _ = s.reply.send(Event::Failed { message });
+                    self.stats.requests_failed.fetch_add(1, Relaxed)
+                }
+            };
         }
+    }
+
+    /// Pick `s`'s next token from its logits, within its grammar's mask if it has one, and
+    /// record it (sampler counts, tokens, grammar state).
+    fn sample(
+        s: &mut Sequence,
+        row: &mut [f32],
+        mask: Option<Result<TokenMask, ConstraintError>>,
+    ) -> Result<u32, ConstraintError> {
+        if let Some(mask) = mask {
+            mask?.apply(row);
+        }
+        let t = s.sampler.sample(row);
+        s.sampler.observe(t);
+        s.tokens.push(t);
+        if let Some(g) = &mut s.grammar {
+            g.commit(t)?;
+        }
+        Ok(t)
     }
 
     /// Stream token `t` of sequence `s`; returns why it finished, if it did, and whether text
     /// held back (partial characters, possible stop-string starts) must still be flushed.
+    /// A grammar that is complete ends the request as a stop (nothing may follow it).
     fn emit(s: &mut Sequence, t: u32, vocab: &dyn Vocab) -> Option<(FinishReason, bool)> {
+        let complete = s.grammar.as_ref().is_some_and(Grammar::is_complete);
         let (text, finish) = match s.advance(t, vocab) {
             Advance::Stop { text, flush } => (text, Some((FinishReason::Stop, flush))),
+            Advance::Go(text) if complete => (text, Some((FinishReason::Stop, true))),
             Advance::Go(text) => (text, (s.tokens.len() >= s.max_len).then_some((FinishReason::Length, true))),
         };
         let _ = s.reply.send(Event::Token { id: t, text });

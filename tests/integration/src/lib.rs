@@ -5,6 +5,8 @@
 //! The binaries are found next to the test executable's directory (`target/<profile>/`), or in
 //! `BELLOWS_BIN_DIR`; `scripts/test.sh` builds them before the tests run.
 
+pub mod schemas;
+
 use std::{
     fs::File,
     path::PathBuf,

@@ -6,6 +6,12 @@
 //!
 //! Tokens are a pure function of (previous token, position), so identical requests give identical
 //! output on any worker, as greedy decoding of a real model would.
+//!
+//! Constrained requests work too: besides its `" t{i}"` word tokens the vocabulary has one token
+//! per byte value (so any UTF-8 text can be spelled), which the model itself never picks, and every other
+//! logit is a small pseudo-random value (also a function of previous token and position). So a
+//! grammar's mask leaves the sampler a pseudo-random choice among the allowed tokens: varied,
+//! valid output, the same on every worker.
 
 use std::time::Duration;
 
@@ -64,13 +70,31 @@ impl SimModel {
         SimModel { cfg, spec }
     }
 
-    /// The token that follows `prev` at position `pos`.
+    /// The token that follows `prev` at position `pos`: a word token, never EOS or a byte token.
     pub fn next_token(&self, prev: u32, pos: usize) -> u32 {
-        let mut b = [0u8; 12];
-        b[..4].copy_from_slice(&prev.to_le_bytes());
-        b[4..].copy_from_slice(&(pos as u64).to_le_bytes());
-        1 + (xxh3_64(&b) % (self.cfg.vocab_size as u64 - 1)) as u32
+        1 + (step_hash(prev, pos) % (u64::from(word_tokens(self.cfg.vocab_size)) - 1)) as u32
     }
+
+    /// One row's logits: 20 for the model's own next token; for every other token a value in
+    /// (-1, 0], a pseudo-random permutation of the vocabulary seeded by (prev, pos). Unconstrained,
+    /// the next token wins by a margin that makes sampling pick it too; under a mask, the sampler
+    /// picks among the allowed tokens by that permutation.
+    fn logits(&self, prev: u32, pos: usize) -> Vec<f32> {
+        let v = self.cfg.vocab_size as u64;
+        let seed = step_hash(prev, pos.wrapping_add(1 << 40));
+        // An odd multiplier is a bijection mod 2^k; reduce into (-1, 0] by the vocabulary size.
+        let mul = (seed | 1) % v.next_power_of_two();
+        let mut logits: Vec<f32> = (0..v).map(|i| -(((i * mul + seed) % v) as f32) / v as f32).collect();
+        logits[self.next_token(prev, pos) as usize] = 20.0;
+        logits
+    }
+}
+
+fn step_hash(prev: u32, pos: usize) -> u64 {
+    let mut b = [0u8; 12];
+    b[..4].copy_from_slice(&prev.to_le_bytes());
+    b[4..].copy_from_slice(&(pos as u64).to_le_bytes());
+    xxh3_64(&b)
 }
 
 impl Backend for SimModel {
@@ -98,17 +122,21 @@ impl Backend for SimModel {
         Ok(rows
             .iter()
             .filter(|r| r.want_logits)
-            .map(|r| {
-                let next = self.next_token(*r.tokens.last().expect("non-empty row"), r.end_pos());
-                let mut logits = vec![0.0f32; c.vocab_size];
-                logits[next as usize] = 20.0;
-                logits
-            })
+            .map(|r| self.logits(*r.tokens.last().expect("non-empty row"), r.end_pos()))
             .collect())
     }
 }
 
-/// Text for simulated tokens: token `i` reads `" t{i}"`.
+/// Byte tokens at the top of a simulated vocabulary: one per byte value, in order.
+pub const BYTE_TOKENS: u32 = 256;
+
+/// Ids below this are EOS (0) and word tokens.
+pub fn word_tokens(vocab_size: usize) -> u32 {
+    vocab_size as u32 - BYTE_TOKENS
+}
+
+/// Text for simulated tokens: word token `i` reads `" t{i}"`; the top [`BYTE_TOKENS`] ids are one
+/// byte each.
 pub struct SimVocab {
     bytes: Vec<Vec<u8>>,
     eos: [u32; 1],
@@ -116,8 +144,16 @@ pub struct SimVocab {
 
 impl SimVocab {
     pub fn new(vocab_size: usize) -> Self {
-        let bytes = (0..vocab_size).map(|i| if i == 0 { Vec::new() } else { format!(" t{i}").into_bytes() }).collect();
+        assert!(vocab_size > 2 * BYTE_TOKENS as usize, "a simulated vocabulary has more than 512 tokens");
+        let words =
+            (0..word_tokens(vocab_size)).map(|i| if i == 0 { Vec::new() } else { format!(" t{i}").into_bytes() });
+        let bytes = words.chain((0..=255u8).map(|b| vec![b])).collect();
         SimVocab { bytes, eos: [SIM_EOS] }
+    }
+
+    /// The token of one byte of text.
+    pub fn byte_token(&self, byte: u8) -> u32 {
+        self.bytes.len() as u32 - BYTE_TOKENS + u32::from(byte)
     }
 }
 

@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bellows_common::telemetry;
+use bellows_common::{constraint::Constraint, telemetry};
 use bellows_proto::worker::v1::{self as pb, generate_response::Kind, worker_server::Worker};
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -118,7 +118,16 @@ impl Worker for WorkerService {
             None => format!("{:?}", engine_req.prompt),
         });
         span.record("bellows.request_id", id.as_str());
-        let events = ready.engine.submit(engine_req).map_err(|e| {
+        let submitted = if engine_req.constraint.is_some() {
+            // Compiling a grammar takes up to milliseconds: not on the async threads.
+            let engine = ready.engine.clone();
+            tokio::task::spawn_blocking(move || engine.submit(engine_req))
+                .await
+                .map_err(|e| Status::internal(format!("submitting: {e}")))?
+        } else {
+            ready.engine.submit(engine_req)
+        };
+        let events = submitted.map_err(|e| {
             tracing::debug!(request_id = %id, error = %e, "refused");
             span.record("otel.status_code", "ERROR");
             NodeError::Submit(e)
@@ -177,7 +186,9 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
         logit_bias,
         seed: s.seed,
     };
+    let constraint = r.constraint.and_then(|c| c.kind).map(constraint).transpose()?;
     Ok(GenerateRequest {
+        constraint,
         prompt: r.prompt_token_ids,
         params,
         max_tokens: r.max_tokens,
@@ -187,6 +198,19 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
         cache_salt: r.cache_salt,
         progress: true,
         resumed_tokens: r.resumed_tokens as usize,
+    })
+}
+
+fn constraint(kind: pb::constraint::Kind) -> Result<Constraint, NodeError> {
+    use pb::constraint::Kind;
+    Ok(match kind {
+        Kind::JsonSchema(text) => Constraint::JsonSchema(
+            serde_json::from_str(&text)
+                .map_err(|e| NodeError::Malformed(format!("invalid constraint: json_schema is not JSON: {e}")))?,
+        ),
+        Kind::JsonObject(_) => Constraint::JsonObject,
+        Kind::Regex(rx) => Constraint::Regex(rx),
+        Kind::Lark(lark) => Constraint::Lark(lark),
     })
 }
 

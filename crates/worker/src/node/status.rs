@@ -34,7 +34,8 @@ impl From<NodeError> for Status {
                 | SubmitError::ContextExceeded { .. }
                 | SubmitError::TokenOutOfVocabulary { .. }
                 | SubmitError::ZeroMaxTokens
-                | SubmitError::InvalidParameter { .. } => Code::InvalidArgument,
+                | SubmitError::InvalidParameter { .. }
+                | SubmitError::InvalidConstraint(_) => Code::InvalidArgument,
                 SubmitError::QueueFull { .. } => Code::ResourceExhausted,
                 SubmitError::ShuttingDown => Code::Unavailable,
             },

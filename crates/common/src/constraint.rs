@@ -1,0 +1,268 @@
+//! Structured-output constraints: what a request may require its output to match, and the one
+//! compile check that router and worker share.
+//!
+//! The router refuses a constraint before any worker is used, so it must refuse exactly what a
+//! worker could not compile: both sides turn a [`Constraint`] into the same llguidance grammar
+//! ([`Constraint::grammar`]) under the same [`limits`]. The router compiles against a byte-level
+//! vocabulary (the grammar's validity does not depend on the model's tokens), the worker against
+//! its model's token bytes. The limits bound compile and per-token work by "fuel", not by a
+//! clock, so a grammar too large or too slow to build is refused the same way on every machine
+//! instead of being left to hang a worker.
+
+use std::sync::{Arc, LazyLock};
+
+use llguidance::{
+    ParserFactory,
+    api::{ParserLimits, TopLevelGrammar},
+    toktrie::{ApproximateTokEnv, InferenceCapabilities, TokEnv, TokRxInfo, TokTrie},
+};
+use serde_json::Value;
+
+/// What a request's output must match.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Constraint {
+    /// Any JSON object: OpenAI's `response_format: {"type": "json_object"}`.
+    JsonObject,
+    /// A JSON Schema: OpenAI's `response_format: {"type": "json_schema"}`.
+    JsonSchema(Value),
+    /// A regular expression (Rust `regex` syntax) the whole output matches.
+    Regex(String),
+    /// A context-free grammar in llguidance's Lark dialect.
+    Lark(String),
+}
+
+/// Why a constraint cannot be used. The message is the constraint engine's own, which names the
+/// offending keyword or rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConstraintError(pub String);
+
+/// A refused JSON Schema: the engine's message and, when it can be found, the JSON pointer of
+/// the deepest subschema that fails on its own with the same message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaError {
+    pub message: String,
+    pub pointer: Option<String>,
+}
+
+/// Compile and per-step limits, the same in router and worker. Tighter than llguidance's
+/// defaults on grammar size (a gateway serves untrusted schemas), the same elsewhere.
+pub fn limits() -> ParserLimits {
+    ParserLimits { max_grammar_size: 200_000, verbose_errors: false, ..ParserLimits::default() }
+}
+
+impl Constraint {
+    /// The llguidance grammar this constraint compiles to.
+    pub fn grammar(&self) -> TopLevelGrammar {
+        match self {
+            Constraint::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
+            Constraint::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
+            Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            Constraint::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+        }
+    }
+
+    /// Compile against a byte-level vocabulary: succeeds exactly when a worker could compile it.
+    pub fn check(&self) -> Result<(), ConstraintError> {
+        static BYTES: LazyLock<ParserFactory> = LazyLock::new(|| {
+            factory(ApproximateTokEnv::single_byte_env()).expect("the byte-level vocabulary compiles")
+        });
+        BYTES.create_parser(self.grammar()).map(drop).map_err(|e| ConstraintError(clean(&e.to_string())))
+    }
+
+    /// [`Constraint::check`], and for a JSON Schema the pointer of what it refused.
+    pub fn check_located(&self) -> Result<(), SchemaError> {
+        let Err(e) = self.check() else { return Ok(()) };
+        let pointer = match self {
+            Constraint::JsonSchema(schema) => locate(schema, &e.0),
+            _ => None,
+        };
+        Err(SchemaError { message: e.0, pointer })
+    }
+
+    /// Which request field a user wrote this in, for error messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Constraint::JsonObject => "json_object",
+            Constraint::JsonSchema(_) => "json_schema",
+            Constraint::Regex(_) => "regex",
+            Constraint::Lark(_) => "grammar",
+        }
+    }
+}
+
+/// A grammar compiler for one vocabulary: `words[i]` are the bytes token `i` adds to the text.
+/// A token with no bytes (a control token) can never be produced by a grammar, except `eos`,
+/// which a grammar allows exactly where its output may end.
+pub fn factory_for_vocab(words: &[Vec<u8>], eos: u32) -> Result<ParserFactory, ConstraintError> {
+    let words: Vec<Vec<u8>> = words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            if w.is_empty() {
+                // toktrie's marker for a special token: it matches no text.
+                let mut s = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                s.extend_from_slice(format!("<|control_{i}|>").as_bytes());
+                s
+            } else {
+                w.clone()
+            }
+        })
+        .collect();
+    let info = TokRxInfo::new(words.len() as u32, eos);
+    factory(Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words))))
+}
+
+fn factory(env: TokEnv) -> Result<ParserFactory, ConstraintError> {
+    let mut f = ParserFactory::new(&env, InferenceCapabilities::default(), &[])
+        .map_err(|e| ConstraintError(format!("building the token table: {e}")))?;
+    f.quiet();
+    *f.limits_mut() = limits();
+    Ok(f)
+}
+
+/// Subschemas tried at most while locating an error: the search runs only for refused schemas,
+/// and stays cheap on a large one.
+const LOCATE_BUDGET: usize = 64;
+
+/// The pointer of the deepest subschema of `root` that is refused on its own with `message`
+/// (compiled with the root's definitions beside it, so a `$ref` into them still resolves).
+/// `None` when the error belongs to the root itself.
+fn locate(root: &Value, message: &str) -> Option<String> {
+    let defs: Vec<(&str, &Value)> =
+        ["$defs", "definitions"].into_iter().filter_map(|k| root.get(k).map(|v| (k, v))).collect();
+    let fails_alone = |sub: &Value| {
+        let mut standalone = sub.clone();
+        if let Value::Object(map) = &mut standalone {
+            for (k, v) in &defs {
+                map.entry(k.to_string()).or_insert_with(|| (*v).clone());
+            }
+        }
+        Constraint::JsonSchema(standalone).check().err().is_some_and(|e| e.0 == message)
+    };
+    let mut budget = LOCATE_BUDGET;
+    let (mut at, mut pointer) = (root, String::new());
+    'descend: loop {
+        for (path, child) in subschemas(at) {
+            if budget == 0 {
+                break 'descend;
+            }
+            budget -= 1;
+            if fails_alone(child) {
+                pointer.push_str(&path);
+                at = child;
+                continue 'descend;
+            }
+        }
+        break;
+    }
+    (!pointer.is_empty()).then_some(pointer)
+}
+
+/// The direct subschemas of a schema, with their pointer suffixes.
+fn subschemas(schema: &Value) -> Vec<(String, &Value)> {
+    let escape = |k: &str| k.replace('~', "~0").replace('/', "~1");
+    let Value::Object(map) = schema else { return Vec::new() };
+    let mut out = Vec::new();
+    for (key, value) in map {
+        match (key.as_str(), value) {
+            ("properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas", Value::Object(m)) => {
+                out.extend(m.iter().map(|(k, v)| (format!("/{}/{}", escape(key), escape(k)), v)));
+            }
+            ("anyOf" | "oneOf" | "allOf" | "prefixItems" | "items", Value::Array(a)) => {
+                out.extend(a.iter().enumerate().map(|(i, v)| (format!("/{key}/{i}"), v)));
+            }
+            (
+                "items"
+                | "additionalProperties"
+                | "not"
+                | "if"
+                | "then"
+                | "else"
+                | "contains"
+                | "propertyNames"
+                | "additionalItems"
+                | "unevaluatedProperties"
+                | "unevaluatedItems",
+                Value::Object(_),
+            ) => out.push((format!("/{key}"), value)),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// llguidance prefixes some messages with its own context ("json_schema: ..."); keep them one
+/// line and bounded, since they go back to a client.
+fn clean(message: &str) -> String {
+    let one_line = message.split_whitespace().collect::<Vec<_>>().join(" ");
+    match (0..=500).rev().find(|&i| one_line.is_char_boundary(i)) {
+        Some(cut) if one_line.len() > 500 => format!("{}...", &one_line[..cut]),
+        _ => one_line,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_valid_schema_regex_and_grammar_compile() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+        assert_eq!(Constraint::JsonSchema(schema).check(), Ok(()));
+        assert_eq!(Constraint::JsonObject.check(), Ok(()));
+        assert_eq!(Constraint::Regex("[a-z]{3}-[0-9]+".into()).check(), Ok(()));
+        assert_eq!(Constraint::Lark("start: \"yes\" | \"no\"".into()).check(), Ok(()));
+    }
+
+    #[test]
+    fn an_invalid_schema_regex_or_grammar_is_refused_with_a_message() {
+        for c in [
+            Constraint::JsonSchema(json!({"type": "no-such-type"})),
+            Constraint::JsonSchema(json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})),
+            Constraint::Regex("(unclosed".into()),
+            Constraint::Lark("start: undefined_rule".into()),
+        ] {
+            let e = c.check().expect_err(&format!("{c:?} should be refused"));
+            assert!(!e.0.is_empty() && !e.0.contains('\n'), "{c:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_refused_schema_names_the_pointer_of_the_subschema_at_fault() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "ok": {"type": "string"},
+                "outer": {"type": "object", "properties": {"a/b": {"type": "array", "items": {"type": "strin"}}}},
+            },
+        });
+        let e = Constraint::JsonSchema(schema).check_located().unwrap_err();
+        assert_eq!(e.pointer.as_deref(), Some("/properties/outer/properties/a~1b/items"), "{e:?}");
+        assert!(e.message.contains("strin"), "{e:?}");
+
+        let e = Constraint::JsonSchema(json!({"type": "strin"})).check_located().unwrap_err();
+        assert_eq!(e.pointer, None, "the root itself is at fault");
+    }
+
+    #[test]
+    fn a_ref_into_the_root_definitions_does_not_mislead_the_pointer() {
+        let schema = json!({
+            "$defs": {"name": {"type": "string", "format": "no-such-format"}},
+            "type": "object",
+            "properties": {"first": {"$ref": "#/$defs/name"}, "n": {"type": "integer"}},
+        });
+        let e = Constraint::JsonSchema(schema).check_located().unwrap_err();
+        assert_eq!(e.pointer.as_deref(), Some("/$defs/name"), "{e:?}");
+    }
+
+    #[test]
+    fn a_grammar_over_the_size_limit_is_refused() {
+        // An enum of 100k distinct strings: well over the grammar-size limit.
+        let many: Vec<String> = (0..100_000).map(|i| format!("value-{i}")).collect();
+        let e = Constraint::JsonSchema(json!({"enum": many})).check().unwrap_err();
+        assert!(e.0.to_lowercase().contains("size") || e.0.contains("limit"), "{e}");
+    }
+}
