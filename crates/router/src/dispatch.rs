@@ -15,8 +15,8 @@
 
 use std::{sync::Arc, time::Duration};
 
-use bellows_common::prefix_hash::BlockHash;
 use bellows_common::telemetry;
+use bellows_common::{constraint::Constraint, prefix_hash::BlockHash};
 use bellows_proto::worker::v1 as pb;
 use tokio::sync::mpsc;
 use tonic::Code;
@@ -168,6 +168,8 @@ impl Dispatcher {
                 cache_salt: choice.cache_salt.clone(),
                 delta_interval_ms: if choice.stream { 0 } else { WHOLE_ANSWER_DELTA_INTERVAL_MS },
                 resumed_tokens: generated.len() as u32,
+                // Sent again on a migration: the new worker replays the resumed tokens through it.
+                constraint: choice.params.structured.as_ref().map(|s| constraint_frame(&s.constraint)),
             };
             let kind = match (generated.is_empty(), tried.len()) {
                 (true, 1) => "first",
@@ -301,6 +303,17 @@ impl Dispatcher {
 }
 
 /// Map a worker's gRPC status to what the router does about it.
+fn constraint_frame(c: &Constraint) -> pb::Constraint {
+    use pb::constraint::Kind;
+    let kind = match c {
+        Constraint::JsonObject => Kind::JsonObject(true),
+        Constraint::JsonSchema(schema) => Kind::JsonSchema(schema.to_string()),
+        Constraint::Regex(rx) => Kind::Regex(rx.clone()),
+        Constraint::Lark(lark) => Kind::Lark(lark.clone()),
+    };
+    pb::Constraint { kind: Some(kind) }
+}
+
 fn classify(status: &tonic::Status) -> Failure {
     match status.code() {
         Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {

@@ -168,6 +168,11 @@ async fn complete(
         }
     })?;
     let mut job = request::parse(endpoint, &bytes)?;
+    if let Some(structured) = job.params.structured.clone() {
+        // A grammar compile is CPU work of up to milliseconds: on the tokenizer threads.
+        let checked = state.tokenizers.run(move || structured.check()).await;
+        checked.map_err(|_| tokenizer_busy())??;
+    }
     span.record("gen_ai.request.model", job.model.as_str());
     if let Some(m) = job.params.max_tokens {
         span.record("gen_ai.request.max_tokens", m);
@@ -186,10 +191,7 @@ async fn complete(
                 .tokenizers
                 .run(move || in_pool.in_scope(|| tokenize(&pool, input, cache_salt.as_deref(), trace_text)))
                 .await
-                .map_err(|_| ApiError::Overloaded {
-                    reason: Overload::TokenizerBusy,
-                    retry_after: std::time::Duration::from_secs(1),
-                })??
+                .map_err(|_| tokenizer_busy())??
         } else {
             // Token ids only need hashing, which costs less than the hop to the pool.
             tokenize_span.in_scope(|| tokenize(&pool, input, cache_salt.as_deref(), trace_text))?
@@ -277,6 +279,11 @@ async fn complete(
         accounting: Accounting { limits, usage, turn },
     };
     if job.stream { reply.stream(rx, job.include_usage).await } else { reply.whole(rx).await }
+}
+
+/// The tokenizer threads' queue is full: retry shortly.
+fn tokenizer_busy() -> ApiError {
+    ApiError::Overloaded { reason: Overload::TokenizerBusy, retry_after: std::time::Duration::from_secs(1) }
 }
 
 fn is_length_limit(e: &axum::Error) -> bool {

@@ -8,7 +8,10 @@
 
 use std::collections::HashMap;
 
-use bellows_common::chat_template::ChatMessage;
+use bellows_common::{
+    chat_template::ChatMessage,
+    constraint::{Constraint, SchemaError},
+};
 use bellows_proto::worker::v1 as pb;
 use serde::Deserialize;
 use serde_json::Value;
@@ -59,6 +62,32 @@ pub struct GenerationParams {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// What the output must match (structured outputs); `None` = free text.
+    pub structured: Option<Structured>,
+}
+
+/// A request's constraint and the field it came in, which its errors name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Structured {
+    pub constraint: Constraint,
+    /// `response_format`, `guided_json`, `guided_regex` or `guided_grammar`.
+    pub param: &'static str,
+}
+
+impl Structured {
+    /// Compile the constraint as a worker would (milliseconds; bounded by the constraint
+    /// limits): a refusal names the field and, for a schema, the JSON pointer at fault.
+    pub fn check(&self) -> Result<(), ApiError> {
+        self.constraint.check_located().map_err(|SchemaError { message, pointer }| {
+            let at = pointer.map(|p| format!(" (at JSON pointer '{p}' of the schema)")).unwrap_or_default();
+            let what = match self.constraint {
+                Constraint::JsonSchema(_) | Constraint::JsonObject => "schema",
+                Constraint::Regex(_) => "regex",
+                Constraint::Lark(_) => "grammar",
+            };
+            ApiError::invalid(self.param, format!("Invalid {what} for '{}': {message}{at}", self.param))
+        })
+    }
 }
 
 /// A valid request.
@@ -115,6 +144,10 @@ struct RawRequest {
     // vLLM extensions, handy for benchmarks.
     ignore_eos: Option<bool>,
     stop_token_ids: Option<Vec<u32>>,
+    // vLLM's structured-output extensions (docs/structured-outputs.md).
+    guided_json: Option<Value>,
+    guided_regex: Option<String>,
+    guided_grammar: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -175,12 +208,7 @@ fn validate(endpoint: Endpoint, raw: RawRequest) -> Result<Job, ApiError> {
     };
     unsupported(wants_logprobs, "logprobs", "'logprobs' is not supported yet")?;
     unsupported(raw.tools.as_ref().is_some_and(|t| !t.is_empty()), "tools", "tool calling is not supported")?;
-    let structured = raw.response_format.as_ref().and_then(|f| f.get("type")).and_then(Value::as_str);
-    unsupported(
-        structured.is_some_and(|t| t != "text"),
-        "response_format",
-        "only response_format {\"type\": \"text\"} is supported",
-    )?;
+    let structured = structured(raw.response_format, raw.guided_json, raw.guided_regex, raw.guided_grammar)?;
 
     let n = raw.n.unwrap_or(1);
     let prompts = match &input {
@@ -257,9 +285,90 @@ fn validate(endpoint: Endpoint, raw: RawRequest) -> Result<Job, ApiError> {
             stop,
             stop_token_ids: raw.stop_token_ids.unwrap_or_default(),
             ignore_eos: raw.ignore_eos.unwrap_or(false),
+            structured,
         },
         user: raw.user,
     })
+}
+
+/// The one constraint a request may carry: OpenAI's `response_format` or one of vLLM's
+/// `guided_*` fields. Only the shape is checked here; [`Structured::check`] compiles it.
+fn structured(
+    response_format: Option<Value>,
+    guided_json: Option<Value>,
+    guided_regex: Option<String>,
+    guided_grammar: Option<String>,
+) -> Result<Option<Structured>, ApiError> {
+    let mut given = Vec::new();
+    if let Some(f) = response_format
+        && let Some(c) = response_format_constraint(f)?
+    {
+        given.push(Structured { constraint: c, param: "response_format" });
+    }
+    if let Some(schema) = guided_json {
+        let schema = match schema {
+            // vLLM accepts the schema as JSON text too.
+            Value::String(text) => serde_json::from_str(&text)
+                .map_err(|e| ApiError::invalid("guided_json", format!("'guided_json' is not valid JSON: {e}")))?,
+            Value::Object(_) => schema,
+            _ => return Err(ApiError::invalid("guided_json", "'guided_json' must be a JSON Schema object")),
+        };
+        given.push(Structured { constraint: Constraint::JsonSchema(schema), param: "guided_json" });
+    }
+    if let Some(rx) = guided_regex {
+        given.push(Structured { constraint: Constraint::Regex(rx), param: "guided_regex" });
+    }
+    if let Some(lark) = guided_grammar {
+        given.push(Structured { constraint: Constraint::Lark(lark), param: "guided_grammar" });
+    }
+    if given.len() > 1 {
+        let names: Vec<&str> = given.iter().map(|s| s.param).collect();
+        return Err(ApiError::invalid(
+            given[1].param,
+            format!("give at most one constraint, got {}", names.join(", ")),
+        ));
+    }
+    Ok(given.pop())
+}
+
+/// OpenAI's `response_format`: `text` (no constraint), `json_object`, or `json_schema` with
+/// `{name, schema, strict, description}` (an absent schema allows any JSON value).
+fn response_format_constraint(f: Value) -> Result<Option<Constraint>, ApiError> {
+    let bad = |m: &str| ApiError::invalid("response_format", m.to_string());
+    let Value::Object(f) = f else { return Err(bad("'response_format' must be an object")) };
+    match f.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        Some("json_schema") => {
+            let Some(Value::Object(js)) = f.get("json_schema") else {
+                return Err(bad("'response_format.json_schema' is required for type 'json_schema'"));
+            };
+            match js.get("name") {
+                Some(Value::String(n))
+                    if (1..=64).contains(&n.len())
+                        && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') => {}
+                _ => {
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema.name",
+                        "'response_format.json_schema.name' must be 1-64 characters of a-z, A-Z, 0-9, _ or -",
+                    ));
+                }
+            }
+            if js.get("strict").is_some_and(|s| !s.is_boolean() && !s.is_null()) {
+                return Err(bad("'response_format.json_schema.strict' must be a boolean"));
+            }
+            match js.get("schema") {
+                None | Some(Value::Null) => Ok(Some(Constraint::JsonSchema(Value::Object(Default::default())))),
+                Some(s @ Value::Object(_)) => Ok(Some(Constraint::JsonSchema(s.clone()))),
+                Some(_) => Err(bad("'response_format.json_schema.schema' must be a JSON Schema object")),
+            }
+        }
+        Some(other) => Err(ApiError::invalid(
+            "response_format.type",
+            format!("unknown response_format type {other:?} (expected text, json_object or json_schema)"),
+        )),
+        None => Err(ApiError::invalid("response_format.type", "'response_format.type' is required")),
+    }
 }
 
 fn unsupported(bad: bool, param: &str, message: &str) -> Result<(), ApiError> {

@@ -1,0 +1,160 @@
+//! Structured outputs through the whole cluster: `response_format` and the `guided_*` fields over
+//! HTTP, the router's schema check, and simulated workers that mask their tokens by the grammar.
+
+use bellows_integration::{Router, Worker, schemas, sim, sse};
+use futures_util::{StreamExt, stream};
+use serde_json::{Value, json};
+
+/// Two fast simulated workers (0.2 ms a step) behind one router.
+async fn cluster() -> (Vec<Worker>, Router) {
+    let config = r#"{"base_us": 200, "per_token_us": 5}"#;
+    let a = Worker::start(&sim(config)).await;
+    let b = Worker::start(&sim(config)).await;
+    let router = Router::with_workers(&[&a, &b], &[] as &[&str]).await;
+    (vec![a, b], router)
+}
+
+fn schema_format(schema: &Value) -> Value {
+    json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": true}})
+}
+
+/// The texts and finish reasons of every choice of a whole or streamed answer.
+async fn answer(router: &Router, path: &str, body: &Value) -> Vec<(String, String)> {
+    let content = |c: &Value, key: &str| c[key]["content"].as_str().or(c["text"].as_str()).unwrap_or("").to_string();
+    if body["stream"] != true {
+        let (status, _, reply) = router.post(path, body).await;
+        assert_eq!(status, 200, "{reply}");
+        return reply["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| (content(c, "message"), c["finish_reason"].as_str().unwrap().to_string()))
+            .collect();
+    }
+    let response = reqwest::Client::new().post(router.url(path)).json(body).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let n = body["n"].as_u64().unwrap_or(1) as usize;
+    let mut out = vec![(String::new(), String::new()); n];
+    for chunk in sse(response).await.iter().filter(|e| e.is_object()) {
+        for c in chunk["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            out[i].0 += &content(c, "delta");
+            if let Some(f) = c["finish_reason"].as_str() {
+                out[i].1 = f.to_string();
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn outputs_of_200_generated_schemas_validate_whole_and_streamed_with_n_choices() {
+    let (_workers, router) = cluster().await;
+    let router = &router;
+    let results: Vec<(u64, Vec<(String, String)>)> = stream::iter(0..200u64)
+        .map(|i| async move {
+            let schema = schemas::schema(i);
+            let mut body = json!({
+                "model": "sim", "max_tokens": 600, "n": 2, "stream": i % 2 == 1, "seed": i,
+                "temperature": if i % 3 == 0 { 0.0 } else { 1.0 },
+            });
+            let path = if i % 4 < 2 {
+                body["messages"] = json!([{"role": "user", "content": format!("answer {i} in JSON")}]);
+                body["response_format"] = schema_format(&schema);
+                "/v1/chat/completions"
+            } else {
+                body["prompt"] = json!(format!("answer {i}"));
+                body["guided_json"] = schema.clone();
+                "/v1/completions"
+            };
+            (i, answer(router, path, &body).await)
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    let mut stopped = 0;
+    for (i, choices) in results {
+        assert_eq!(choices.len(), 2);
+        for (text, finish) in choices {
+            assert!(finish == "stop" || finish == "length", "schema {i}: finish {finish:?}");
+            if finish == "stop" {
+                stopped += 1;
+                schemas::check_output(&schemas::schema(i), &text).unwrap_or_else(|e| panic!("schema {i}: {e}"));
+            }
+        }
+    }
+    assert!(stopped >= 360, "only {stopped} of 400 choices finished within max_tokens");
+}
+
+#[tokio::test]
+async fn json_object_regex_and_grammar_constrain_the_answer() {
+    let (_workers, router) = cluster().await;
+    let chat = |extra: Value| {
+        let mut body = json!({"model": "sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let (text, finish) =
+        answer(&router, "/v1/chat/completions", &chat(json!({"response_format": {"type": "json_object"}})))
+            .await
+            .remove(0);
+    if finish == "stop" {
+        assert!(serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{e}: {text}")).is_object());
+    }
+    let (text, finish) =
+        answer(&router, "/v1/chat/completions", &chat(json!({"guided_regex": "(cat|dog)-[0-9]{2}"}))).await.remove(0);
+    assert_eq!(finish, "stop");
+    assert!(text.len() == 6 && (text.starts_with("cat-") || text.starts_with("dog-")), "{text:?}");
+    let lark = "start: \"<\" word (\" \" word)* \">\"\nword: /[a-z]{1,5}/";
+    let (text, finish) =
+        answer(&router, "/v1/chat/completions", &chat(json!({"guided_grammar": lark, "stream": true}))).await.remove(0);
+    assert_eq!(finish, "stop");
+    assert!(text.starts_with('<') && text.ends_with('>'), "{text:?}");
+    let (text, _) =
+        answer(&router, "/v1/chat/completions", &chat(json!({"response_format": {"type": "text"}}))).await.remove(0);
+    assert!(text.starts_with(" t"), "text is free: {text:?}");
+}
+
+#[tokio::test]
+async fn a_bad_constraint_is_a_400_naming_its_field_and_pointer_before_any_worker_is_used() {
+    let (_workers, router) = cluster().await;
+    let chat = |extra: Value| {
+        let mut body = json!({"model": "sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let bad_schema = json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "strin"}}}});
+    let cases = [
+        (json!({"response_format": schema_format(&bad_schema)}), "response_format", Some("/properties/a/items")),
+        (json!({"response_format": {"type": "xml"}}), "response_format.type", None),
+        (json!({"response_format": "json"}), "response_format", None),
+        (json!({"response_format": {"type": "json_schema"}}), "response_format", None),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "has space", "schema": {}}}}),
+            "response_format.json_schema.name",
+            None,
+        ),
+        (
+            json!({"guided_json": {"type": "object", "properties": {"d": {"format": "nope", "type": "string"}}}}),
+            "guided_json",
+            Some("/properties/d"),
+        ),
+        (json!({"guided_regex": "(unclosed"}), "guided_regex", None),
+        (json!({"guided_grammar": "start: missing_rule"}), "guided_grammar", None),
+        (json!({"guided_regex": "a", "response_format": {"type": "json_object"}}), "guided_regex", None),
+    ];
+    for (extra, param, pointer) in cases {
+        let (status, _, body) = router.post("/v1/chat/completions", &chat(extra.clone())).await;
+        assert_eq!(status, 400, "{extra}: {body}");
+        assert_eq!(body["error"]["param"], param, "{extra}: {body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        if let Some(p) = pointer {
+            let message = body["error"]["message"].as_str().unwrap();
+            assert!(message.contains(p), "{extra}: the message names {p}: {message}");
+        }
+    }
+    let (status, _, body) =
+        router.post("/v1/completions", &json!({"model": "sim", "prompt": "x", "guided_json": bad_schema})).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(router.metric("bellows_router_placements_total").await, 0.0, "no worker was used");
+}
