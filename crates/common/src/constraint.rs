@@ -55,8 +55,10 @@ impl Constraint {
     /// The llguidance grammar this constraint compiles to.
     pub fn grammar(&self) -> TopLevelGrammar {
         match self {
-            Constraint::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
-            Constraint::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
+            Constraint::JsonObject => {
+                TopLevelGrammar::from_json_schema(compact(&serde_json::json!({"type": "object"})))
+            }
+            Constraint::JsonSchema(schema) => TopLevelGrammar::from_json_schema(compact(schema)),
             Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Constraint::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
         }
@@ -89,6 +91,19 @@ impl Constraint {
             Constraint::Lark(_) => "grammar",
         }
     }
+}
+
+/// JSON on one line, with `", "` and `": "` between items (as Python's `json.dumps` writes it):
+/// free whitespace lets a small model pad its answer with newlines until `max_tokens` runs out.
+/// A schema's own `x-guidance` options (llguidance's layout settings) are kept.
+fn compact(schema: &Value) -> Value {
+    let mut schema = schema.clone();
+    if let Value::Object(map) = &mut schema {
+        map.entry("x-guidance").or_insert_with(
+            || serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
+    }
+    schema
 }
 
 /// A grammar compiler for one vocabulary: `words[i]` are the bytes token `i` adds to the text.

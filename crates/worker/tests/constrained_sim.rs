@@ -77,6 +77,8 @@ fn every_output_that_stops_matches_its_schema_over_200_generated_schemas() {
             if out.reason == FinishReason::Stop {
                 stopped += 1;
                 schemas::check_output(&schemas::schema(i), &out.text).unwrap_or_else(|e| panic!("schema {i}: {e}"));
+                // JSON strings hold no raw newline: one here would be free whitespace.
+                assert!(!out.text.contains('\n'), "schema {i}: JSON on one line: {:?}", out.text);
             }
         }
     }

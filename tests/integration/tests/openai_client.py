@@ -1,10 +1,14 @@
 """The official OpenAI Python client against a Bellows router, unchanged: chat and text
-completions, streamed and not, usage, and an error surfacing as the client's own exception.
+completions, streamed and not, usage, structured outputs (`parse` with a Pydantic model,
+json_object), and errors surfacing as the client's own exceptions.
 Run by tests/real_model.rs with BASE_URL and MODEL set; exits non-zero on any mismatch."""
 import os
 import sys
 
+import json
+
 import openai
+import pydantic
 
 client = openai.OpenAI(base_url=os.environ["BASE_URL"] + "/v1", api_key="unused", max_retries=0)
 model = os.environ["MODEL"]
@@ -62,4 +66,44 @@ try:
     sys.exit("an out-of-range temperature must raise")
 except openai.BadRequestError as e:
     assert e.body["param"] == "temperature", e.body
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=40)
+    country: str = pydantic.Field(max_length=40)
+    population: int = pydantic.Field(ge=0, le=100_000_000)
+
+
+parsed = client.chat.completions.parse(
+    model=model,
+    messages=[{"role": "user", "content": "Describe Paris as JSON with its name, country and population."}],
+    response_format=City,
+    max_tokens=120,
+    temperature=0,
+)
+message = parsed.choices[0].message
+assert parsed.choices[0].finish_reason == "stop", parsed
+assert isinstance(message.parsed, City), message
+assert City.model_validate_json(message.content) == message.parsed
+
+anything = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "Give me a JSON object about a cat."}],
+    response_format={"type": "json_object"},
+    max_tokens=200,
+    temperature=0,
+    stream=True,
+)
+text = "".join(c.choices[0].delta.content or "" for c in anything if c.choices)
+assert isinstance(json.loads(text), dict), text
+
+try:
+    client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "x"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strin"}}},
+    )
+    sys.exit("an invalid schema must raise")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "response_format", e.body
 print("openai client: ok")
