@@ -1,6 +1,8 @@
 //! Engine benchmarks (`bellows-worker bench`): single-stream decode, aggregate decode under
 //! concurrency, time to first token cold and with a cached prefix, and inter-token latency of
-//! running streams while a long prompt arrives, chunked against unchunked. Prints one JSON object.
+//! running streams while a long prompt arrives, chunked against unchunked, and decode under a JSON
+//! Schema against unconstrained decode in the same run (with the mask time per token). Prints one
+//! JSON object.
 //!
 //! Timestamps are taken where a client would see them: when each event leaves the engine's
 //! channel. Numbers are only comparable within one run on a quiet machine.
@@ -16,7 +18,10 @@ use std::{
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
+use bellows_common::constraint::Constraint;
+
 use crate::{
+    constraint::GrammarCompiler,
     engine::{Engine, EngineConfig, EngineHandle},
     load::ModelArgs,
     request::{Event, GenerateRequest, Usage},
@@ -29,7 +34,7 @@ use crate::{
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Which benchmarks: all, decode, batch, ttft, itl (comma-separated).
+    /// Which benchmarks: all, decode, batch, ttft, itl, constrained (comma-separated).
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// Tokens per stream for the decode benchmarks.
@@ -67,6 +72,7 @@ pub enum ItlCase {
 struct Trace {
     submitted: Instant,
     tokens: Vec<Instant>,
+    ids: Vec<u32>,
     usage: Usage,
 }
 
@@ -80,16 +86,17 @@ fn greedy(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
 fn run_stream(h: &EngineHandle, req: GenerateRequest, stop: Option<&AtomicBool>) -> Result<Trace> {
     let submitted = Instant::now();
     let mut rx = h.submit(req)?;
-    let mut tokens = Vec::new();
+    let (mut tokens, mut ids) = (Vec::new(), Vec::new());
     while let Some(ev) = rx.blocking_recv() {
         match ev {
-            Event::Token { .. } => {
+            Event::Token { id, .. } => {
                 tokens.push(Instant::now());
+                ids.push(id);
                 if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
-                    return Ok(Trace { submitted, tokens, usage: Usage::default() });
+                    return Ok(Trace { submitted, tokens, ids, usage: Usage::default() });
                 }
             }
-            Event::Finished { usage, .. } => return Ok(Trace { submitted, tokens, usage }),
+            Event::Finished { usage, .. } => return Ok(Trace { submitted, tokens, ids, usage }),
             Event::Failed { message } => bail!("request failed: {message}"),
             Event::Progress(_) => {}
         }
@@ -163,6 +170,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         out["ttft"] = bench_ttft(&ctx, &a)?;
         eprintln!("ttft: {}", out["ttft"]);
     }
+    if want("constrained") {
+        out["constrained"] = bench_constrained(&ctx, &a)?;
+        eprintln!("constrained: {}", out["constrained"]);
+    }
     if want("itl") {
         out["itl_during_long_prefill"] = bench_itl(&ctx, &a)?;
         eprintln!("itl: {}", out["itl_during_long_prefill"]);
@@ -185,28 +196,98 @@ fn bench_decode(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     )
 }
 
+/// A schema no answer of `--decode-tokens` can complete: JSON structure and free text mixed, as
+/// a model writing a long structured answer produces.
+fn endless_schema() -> Constraint {
+    Constraint::JsonSchema(json!({
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 60},
+            "paragraphs": {"type": "array", "items": {"type": "string", "maxLength": 160}, "minItems": 64},
+        },
+        "required": ["title", "paragraphs"],
+        "additionalProperties": false,
+    }))
+}
+
+/// Aggregate decode rate of one stream per prompt, from when every stream has its first token to
+/// when the first one ends (the steady state); returns the rate and every stream's trace.
+fn steady_decode(
+    h: &EngineHandle,
+    prompts: &[Vec<u32>],
+    make: impl Fn(Vec<u32>) -> GenerateRequest + Sync,
+) -> Result<(f64, Vec<Trace>)> {
+    let traces = std::thread::scope(|s| {
+        let hs: Vec<_> = prompts.iter().map(|p| s.spawn(|| run_stream(h, make(p.clone()), None))).collect();
+        hs.into_iter().map(|h| h.join().expect("stream thread")).collect::<Result<Vec<_>>>()
+    })?;
+    let from = traces.iter().map(|t| t.tokens[0]).max().context("no streams")?;
+    let to = traces.iter().map(|t| *t.tokens.last().expect("tokens")).min().context("no streams")?;
+    let n: usize = traces.iter().map(|t| t.tokens.iter().filter(|&&x| x > from && x <= to).count()).sum();
+    Ok((n as f64 / (to - from).as_secs_f64(), traces))
+}
+
+/// Decode under a JSON Schema against unconstrained decode, alternating in one run, at each
+/// `--concurrency` level; then the grammar's own cost, timed apart from the engine: one mask
+/// per token of a constrained answer, replayed through a fresh grammar.
+fn bench_constrained(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
+    let engine = ctx.engine(EngineConfig::default())?;
+    let h = engine.handle();
+    let schema = endless_schema();
+    let constrained = |p: Vec<u32>| GenerateRequest { constraint: Some(schema.clone()), ..greedy(p, a.decode_tokens) };
+    let free = |p: Vec<u32>| greedy(p, a.decode_tokens);
+    let mut rows = Vec::new();
+    let mut answer = Vec::new();
+    for &c in &a.concurrency {
+        let prompts: Vec<Vec<u32>> = (0..c)
+            .map(|i| ctx.tok.encode(&format!("Write report {i} about the river station, as JSON."), false))
+            .collect::<Result<_>>()?;
+        let (mut with, mut without) = (Vec::new(), Vec::new());
+        for _ in 0..a.repeat {
+            without.push(steady_decode(&h, &prompts, free)?.0);
+            let (rate, traces) = steady_decode(&h, &prompts, constrained)?;
+            with.push(rate);
+            answer = traces.into_iter().next().map(|t| t.ids).unwrap_or_default();
+        }
+        let (w, wo) = (median(with.clone()), median(without.clone()));
+        eprintln!("  {c} streams: {w:.1} tok/s constrained, {wo:.1} unconstrained ({:.3}x)", w / wo);
+        rows.push(json!({"streams": c, "constrained_tok_s": w, "unconstrained_tok_s": wo, "ratio": w / wo,
+            "constrained_runs": with, "unconstrained_runs": without}));
+    }
+    let compiler = GrammarCompiler::new(ctx.tok.clone(), ctx.tok.vocab_size());
+    let t = Instant::now();
+    let mut grammar = compiler.compile(&schema)?;
+    let first_compile_ms = t.elapsed().as_secs_f64() * 1000.0;
+    let t = Instant::now();
+    let mut g2 = compiler.compile(&schema)?;
+    let compile_ms = t.elapsed().as_secs_f64() * 1000.0;
+    drop(g2.mask());
+    let mut mask_us = Vec::new();
+    for &tok in &answer {
+        let t = Instant::now();
+        let m = grammar.mask()?;
+        mask_us.push(t.elapsed().as_secs_f64() * 1e6);
+        anyhow::ensure!(m.allows(tok), "the engine produced token {tok}, which the mask forbids");
+        grammar.commit(tok)?;
+    }
+    Ok(json!({
+        "schema": "object{title, paragraphs: array of strings, minItems 64}", "decode_tokens": a.decode_tokens,
+        "rows": rows,
+        "mask_us": {"p50": percentile(&mask_us, 0.5), "p99": percentile(&mask_us, 0.99), "max": percentile(&mask_us, 1.0), "tokens": mask_us.len()},
+        "compile_ms": {"first_with_token_table": first_compile_ms, "next": compile_ms},
+    }))
+}
+
 fn bench_batch(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     let engine = ctx.engine(EngineConfig::default())?;
     let mut rows = Vec::new();
     for &c in &a.concurrency {
         let mut rates = Vec::new();
         for r in 0..a.repeat {
-            let traces = std::thread::scope(|s| {
-                let hs: Vec<_> = (0..c)
-                    .map(|i| {
-                        let h = engine.handle();
-                        let p = ctx.tok.encode(&format!("Story {r}-{i}: Once upon a time"), false);
-                        let n = a.decode_tokens;
-                        s.spawn(move || run_stream(&h, greedy(p?, n), None))
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().expect("stream thread")).collect::<Result<Vec<_>>>()
-            })?;
-            // Steady state: from when every stream has its first token to when the first ends.
-            let from = traces.iter().map(|t| t.tokens[0]).max().context("no streams")?;
-            let to = traces.iter().map(|t| *t.tokens.last().expect("tokens")).min().context("no streams")?;
-            let n: usize = traces.iter().map(|t| t.tokens.iter().filter(|&&x| x > from && x <= to).count()).sum();
-            rates.push(n as f64 / (to - from).as_secs_f64());
+            let prompts: Vec<Vec<u32>> = (0..c)
+                .map(|i| ctx.tok.encode(&format!("Story {r}-{i}: Once upon a time"), false))
+                .collect::<Result<_>>()?;
+            rates.push(steady_decode(&engine.handle(), &prompts, |p| greedy(p, a.decode_tokens))?.0);
         }
         let agg = median(rates);
         rows.push(json!({ "streams": c, "aggregate_tok_s": agg }));
