@@ -131,7 +131,8 @@ pub fn factory_for_vocab(words: &[Vec<u8>], eos: u32) -> Result<ParserFactory, C
 fn factory(env: TokEnv) -> Result<ParserFactory, ConstraintError> {
     // The general slices (llguidance's split of the vocabulary by common lexeme shapes) make
     // masks inside JSON strings an order of magnitude cheaper.
-    let mut f = ParserFactory::new_simple(&env).map_err(|e| ConstraintError(format!("building the token table: {e}")))?;
+    let mut f =
+        ParserFactory::new_simple(&env).map_err(|e| ConstraintError(format!("building the token table: {e}")))?;
     f.quiet();
     *f.limits_mut() = limits();
     Ok(f)

@@ -41,11 +41,13 @@ pub enum ChoiceEvent {
     Started {
         index: u32,
     },
-    /// Text and the number of tokens it took (text may lag its tokens, or come without any).
+    /// Text and the number of tokens it took (text may lag its tokens, or come without any),
+    /// with one logprobs entry per token when the request asked for them.
     Text {
         index: u32,
         text: String,
         tokens: u32,
+        logprobs: Vec<pb::TokenLogprobs>,
     },
     Done {
         index: u32,
@@ -170,6 +172,7 @@ impl Dispatcher {
                 resumed_tokens: generated.len() as u32,
                 // Sent again on a migration: the new worker replays the resumed tokens through it.
                 constraint: choice.params.structured.as_ref().map(|s| constraint_frame(&s.constraint)),
+                top_logprobs: choice.params.top_logprobs,
             };
             let kind = match (generated.is_empty(), tried.len()) {
                 (true, 1) => "first",
@@ -229,7 +232,8 @@ impl Dispatcher {
                                 generated.extend_from_slice(&delta.token_ids);
                                 let tokens = delta.token_ids.len() as u32;
                                 if !delta.text.is_empty() || tokens > 0 {
-                                    let event = ChoiceEvent::Text { index, text: delta.text, tokens };
+                                    let event =
+                                        ChoiceEvent::Text { index, text: delta.text, tokens, logprobs: delta.logprobs };
                                     if tx.send(event).await.is_err() {
                                         return Ok(());
                                     }

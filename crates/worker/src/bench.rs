@@ -198,8 +198,8 @@ fn bench_decode(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
 
 /// A schema no answer of `--decode-tokens` can complete: JSON structure and free text mixed, as
 /// a model writing a long structured answer produces.
-fn endless_schema() -> Constraint {
-    Constraint::JsonSchema(json!({
+fn endless_schema() -> Value {
+    json!({
         "type": "object",
         "properties": {
             "title": {"type": "string", "maxLength": 60},
@@ -207,7 +207,7 @@ fn endless_schema() -> Constraint {
         },
         "required": ["title", "paragraphs"],
         "additionalProperties": false,
-    }))
+    })
 }
 
 /// Aggregate decode rate of one stream per prompt, from when every stream has its first token to
@@ -233,7 +233,8 @@ fn steady_decode(
 fn bench_constrained(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     let engine = ctx.engine(EngineConfig::default())?;
     let h = engine.handle();
-    let schema = endless_schema();
+    let schema_json = endless_schema();
+    let schema = Constraint::JsonSchema(schema_json.clone());
     let constrained = |p: Vec<u32>| GenerateRequest { constraint: Some(schema.clone()), ..greedy(p, a.decode_tokens) };
     let free = |p: Vec<u32>| greedy(p, a.decode_tokens);
     let mut rows = Vec::new();
@@ -271,7 +272,7 @@ fn bench_constrained(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
         grammar.commit(tok)?;
     }
     Ok(json!({
-        "schema": "object{title, paragraphs: array of strings, minItems 64}", "decode_tokens": a.decode_tokens,
+        "schema": schema_json, "decode_tokens": a.decode_tokens,
         "rows": rows,
         "mask_us": {"p50": percentile(&mask_us, 0.5), "p99": percentile(&mask_us, 0.99), "max": percentile(&mask_us, 1.0), "tokens": mask_us.len()},
         "compile_ms": {"first_with_token_table": first_compile_ms, "next": compile_ms},

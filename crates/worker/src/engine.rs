@@ -24,7 +24,7 @@ use crate::{
     constraint::GrammarCompiler,
     kv_cache::{BlockPool, KvEvent},
     model::{Backend, ModelSpec},
-    request::{Event, GenerateRequest, SubmitError},
+    request::{Event, GenerateRequest, MAX_TOP_LOGPROBS, SubmitError},
     sampling::Sampler,
     scheduler::{Scheduler, SchedulerConfig, Sequence, SequenceInit},
     stats::{Stats, StatsSnapshot},
@@ -178,6 +178,11 @@ impl EngineHandle {
         self.shared.context
     }
 
+    /// The token bytes the engine streams text from.
+    pub fn vocab(&self) -> Arc<dyn Vocab> {
+        self.shared.vocab.clone()
+    }
+
     pub fn block_size(&self) -> usize {
         self.shared.block_size
     }
@@ -210,6 +215,12 @@ impl EngineHandle {
             return Err(SubmitError::ContextExceeded { prompt, completion, context: sh.context });
         }
         req.params.validate(vocab).map_err(|(param, reason)| SubmitError::InvalidParameter { param, reason })?;
+        if req.top_logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return Err(SubmitError::InvalidParameter {
+                param: "top_logprobs",
+                reason: format!("must be at most {MAX_TOP_LOGPROBS}"),
+            });
+        }
         if req.resumed_tokens >= prompt {
             return Err(SubmitError::InvalidParameter {
                 param: "resumed_tokens",
@@ -234,6 +245,7 @@ impl EngineHandle {
             id: sh.next_id.fetch_add(1, Relaxed),
             sampler: Sampler::new(req.params, &req.prompt),
             grammar,
+            top_logprobs: req.top_logprobs.map(|k| k as usize),
             max_len: prompt + completion,
             prompt: req.prompt,
             root,

@@ -27,6 +27,28 @@ pub struct GenerateRequest {
     pub resumed_tokens: usize,
     /// The output must match this (structured outputs); `None` = free text.
     pub constraint: Option<Constraint>,
+    /// Report each token's log-probability and this many alternatives (at most
+    /// [`MAX_TOP_LOGPROBS`]); `None` = no logprobs.
+    pub top_logprobs: Option<u32>,
+}
+
+/// The most alternatives a request may ask for per token (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// A generated token's log-probability under the model's own distribution (log-softmax of its
+/// raw logits: before penalties, bias, temperature and constraint masks), and the most likely
+/// tokens at that step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// Most likely first; ties by lower id.
+    pub top: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopLogprob {
+    pub token: u32,
+    pub logprob: f32,
 }
 
 impl GenerateRequest {
@@ -42,6 +64,7 @@ impl GenerateRequest {
             progress: false,
             resumed_tokens: 0,
             constraint: None,
+            top_logprobs: None,
         }
     }
 }
@@ -70,7 +93,7 @@ pub struct Usage {
 pub enum Event {
     /// One generated token and the text it released (may be empty: a partial UTF-8 character or
     /// text held back while it could still begin a stop string).
-    Token { id: u32, text: String },
+    Token { id: u32, text: String, logprobs: Option<TokenLogprobs> },
     /// The last event of a successful stream: remaining text, why it ended, and usage.
     Finished { text: String, reason: FinishReason, usage: Usage },
     /// The model failed while running this request; nothing more follows.

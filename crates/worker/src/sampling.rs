@@ -7,6 +7,8 @@
 use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng};
+
+use crate::request::{TokenLogprobs, TopLogprob};
 use rand_chacha::ChaCha8Rng;
 
 /// Sampling parameters as a client gives them (OpenAI names and defaults).
@@ -190,6 +192,26 @@ impl Sampler {
     }
 }
 
+/// `chosen`'s log-probability under the distribution of `raw` logits (log-softmax, summed in
+/// f64 in index order: the same logits give the same bits), and the `top` most likely tokens.
+pub fn logprobs(raw: &[f32], chosen: u32, top: usize) -> TokenLogprobs {
+    let max = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + raw.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let lp = |t: u32| (raw[t as usize] as f64 - lse) as f32;
+    let mut idx: Vec<u32> = (0..raw.len() as u32).collect();
+    let by_logit = |a: &u32, b: &u32| raw[*b as usize].total_cmp(&raw[*a as usize]).then(a.cmp(b));
+    let k = top.min(idx.len());
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by_logit);
+    }
+    idx.truncate(k);
+    idx.sort_unstable_by(by_logit);
+    TokenLogprobs {
+        logprob: lp(chosen),
+        top: idx.into_iter().map(|t| TopLogprob { token: t, logprob: lp(t) }).collect(),
+    }
+}
+
 /// Index of the largest logit; the lowest index wins ties, so greedy output is reproducible.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -263,6 +285,19 @@ mod tests {
 
         let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() };
         assert_eq!(Sampler::new(p, &[1]).sample(&mut logits()), 4, "prompt token 1 halved to 1.5");
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_most_likely_first() {
+        let l = logits();
+        let lp = logprobs(&l, 4, 3);
+        let total: f64 = l.iter().map(|&x| (x as f64).exp()).sum();
+        assert!((lp.logprob as f64 - (2.9f64 - total.ln())).abs() < 1e-6);
+        let top: Vec<u32> = lp.top.iter().map(|t| t.token).collect();
+        assert_eq!(top, [1, 4, 2]);
+        assert!(lp.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+        assert_eq!(logprobs(&[1.0, 1.0, 0.0], 0, 2).top.iter().map(|t| t.token).collect::<Vec<_>>(), [0, 1]);
+        assert!(logprobs(&l, 1, 0).top.is_empty());
     }
 
     #[test]

@@ -37,8 +37,8 @@ use crate::{
     constraint::{Grammar, TokenMask},
     kv_cache::{BlockId, BlockPool, KvEvent},
     model::{Backend, BatchRow},
-    request::{Event, FinishReason, Progress, Usage},
-    sampling::Sampler,
+    request::{Event, FinishReason, Progress, TokenLogprobs, Usage},
+    sampling::{Sampler, logprobs},
     stats::Stats,
     stop::{StopCheck, StopMatcher},
     tokenizer::Detokenizer,
@@ -172,6 +172,8 @@ pub struct Sequence {
     sampler: Sampler,
     /// The constraint's state after every generated token; `None` = free text.
     grammar: Option<Grammar>,
+    /// Alternatives to report with each token's logprob; `None` = no logprobs.
+    top_logprobs: Option<usize>,
     stop: StopMatcher,
     detok: Detokenizer,
     stop_ids: Vec<u32>,
@@ -199,6 +201,7 @@ pub struct SequenceInit {
     pub root: ChainRoot,
     pub sampler: Sampler,
     pub grammar: Option<Grammar>,
+    pub top_logprobs: Option<usize>,
     pub stop: Vec<String>,
     pub stop_ids: Vec<u32>,
     pub ignore_eos: bool,
@@ -222,6 +225,7 @@ impl Sequence {
             counted_waiting: true,
             sampler: i.sampler,
             grammar: i.grammar,
+            top_logprobs: i.top_logprobs,
             stop: StopMatcher::new(i.stop),
             detok: Detokenizer::new(),
             stop_ids: i.stop_ids,
@@ -595,7 +599,7 @@ impl Scheduler {
                 continue; // mid-prefill: no token yet
             }
             let mut row = logits.next().expect("one logits row per finished row");
-            let t = match Self::sample(s, &mut row, masks.remove(&p.seq)) {
+            let (t, logprobs) = match Self::sample(s, &mut row, masks.remove(&p.seq)) {
                 Ok(t) => t,
                 Err(e) => {
                     failed.push((p.seq, format!("constraint: {e}")));
@@ -603,7 +607,7 @@ impl Scheduler {
                 }
             };
             self.stats.generated_tokens.fetch_add(1, Relaxed);
-            if let Some((reason, flush)) = Self::emit(s, t, self.vocab.as_ref()) {
+            if let Some((reason, flush)) = Self::emit(s, t, logprobs, self.vocab.as_ref()) {
                 s.finish(reason, flush);
                 finished.push(p.seq);
             }
@@ -626,12 +630,14 @@ impl Scheduler {
     }
 
     /// Pick `s`'s next token from its logits, within its grammar's mask if it has one, and
-    /// record it (sampler counts, tokens, grammar state).
+    /// record it (sampler counts, tokens, grammar state); with its logprobs if it asked, taken
+    /// from the logits as the model gave them.
     fn sample(
         s: &mut Sequence,
         row: &mut [f32],
         mask: Option<Result<TokenMask, ConstraintError>>,
-    ) -> Result<u32, ConstraintError> {
+    ) -> Result<(u32, Option<TokenLogprobs>), ConstraintError> {
+        let raw = s.top_logprobs.map(|_| row.to_vec());
         if let Some(mask) = mask {
             mask?.apply(row);
         }
@@ -641,20 +647,25 @@ impl Scheduler {
         if let Some(g) = &mut s.grammar {
             g.commit(t)?;
         }
-        Ok(t)
+        Ok((t, raw.zip(s.top_logprobs).map(|(raw, k)| logprobs(&raw, t, k))))
     }
 
     /// Stream token `t` of sequence `s`; returns why it finished, if it did, and whether text
     /// held back (partial characters, possible stop-string starts) must still be flushed.
     /// A grammar that is complete ends the request as a stop (nothing may follow it).
-    fn emit(s: &mut Sequence, t: u32, vocab: &dyn Vocab) -> Option<(FinishReason, bool)> {
+    fn emit(
+        s: &mut Sequence,
+        t: u32,
+        logprobs: Option<TokenLogprobs>,
+        vocab: &dyn Vocab,
+    ) -> Option<(FinishReason, bool)> {
         let complete = s.grammar.as_ref().is_some_and(Grammar::is_complete);
         let (text, finish) = match s.advance(t, vocab) {
             Advance::Stop { text, flush } => (text, Some((FinishReason::Stop, flush))),
             Advance::Go(text) if complete => (text, Some((FinishReason::Stop, true))),
             Advance::Go(text) => (text, (s.tokens.len() >= s.max_len).then_some((FinishReason::Length, true))),
         };
-        let _ = s.reply.send(Event::Token { id: t, text });
+        let _ = s.reply.send(Event::Token { id: t, text, logprobs });
         finish
     }
 

@@ -37,7 +37,7 @@ fn collect(mut rx: EventStream) -> Outcome {
     let (mut tokens, mut text) = (Vec::new(), String::new());
     while let Some(ev) = rx.blocking_recv() {
         match ev {
-            Event::Token { id, text: t } => {
+            Event::Token { id, text: t, .. } => {
                 tokens.push(id);
                 text += &t;
             }

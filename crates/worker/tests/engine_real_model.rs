@@ -50,7 +50,7 @@ fn collect(mut rx: EventStream) -> Outcome {
     let (mut tokens, mut pieces, mut text) = (Vec::new(), Vec::new(), String::new());
     while let Some(ev) = rx.blocking_recv() {
         match ev {
-            Event::Token { id, text: t } => {
+            Event::Token { id, text: t, .. } => {
                 tokens.push(id);
                 text += &t;
                 pieces.push(t);

@@ -35,7 +35,7 @@ async fn generate_over_grpc_gives_the_engines_own_greedy_tokens_and_model_info_t
     let (mut want_tokens, mut want_text) = (Vec::new(), String::new());
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::Token { id, text } => {
+            Event::Token { id, text, .. } => {
                 want_tokens.push(id);
                 want_text += &text;
             }

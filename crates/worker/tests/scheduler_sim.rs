@@ -41,7 +41,7 @@ fn collect(mut rx: bellows_worker::engine::EventStream) -> Outcome {
     let (mut tokens, mut text, mut first) = (Vec::new(), String::new(), None);
     while let Some(ev) = rx.blocking_recv() {
         match ev {
-            Event::Token { id, text: t } => {
+            Event::Token { id, text: t, .. } => {
                 first.get_or_insert_with(Instant::now);
                 tokens.push(id);
                 text += &t;
@@ -339,4 +339,43 @@ fn stop_tokens_and_stop_strings_end_the_stream_and_are_not_sent() {
     assert_eq!(out.reason, FinishReason::Stop);
     let cut = free.text.find(&stop).unwrap();
     assert_eq!(out.text, free.text[..cut]);
+}
+
+fn with_logprobs(prompt: Vec<u32>, top: u32) -> GenerateRequest {
+    GenerateRequest { top_logprobs: Some(top), ..req(prompt, 12) }
+}
+
+fn logprobs_of(mut rx: bellows_worker::engine::EventStream) -> Vec<(u32, bellows_worker::request::TokenLogprobs)> {
+    let mut out = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Token { id, logprobs, .. } => out.push((id, logprobs.expect("asked for logprobs"))),
+            Event::Finished { .. } => return out,
+            Event::Failed { message } => panic!("request failed: {message}"),
+            Event::Progress(_) => {}
+        }
+    }
+    panic!("stream closed without a final event")
+}
+
+#[test]
+fn greedy_logprobs_put_the_chosen_token_first_and_do_not_depend_on_the_batch() {
+    let e = sim_engine(fast(), EngineConfig::default());
+    let h = e.handle();
+    let alone = logprobs_of(h.submit(with_logprobs(vec![4, 5, 6], 5)).unwrap());
+    assert_eq!(alone.len(), 12);
+    for (id, lp) in &alone {
+        assert_eq!(lp.top.len(), 5);
+        assert_eq!(lp.top[0].token, *id, "greedy picks the most likely token");
+        assert_eq!(lp.top[0].logprob, lp.logprob);
+        assert!(lp.logprob <= 0.0 && lp.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+    }
+    let crowd: Vec<_> = (0..6).map(|k| h.submit(req(vec![40 + k, 1], 30)).unwrap()).collect();
+    let beside = logprobs_of(h.submit(with_logprobs(vec![4, 5, 6], 5)).unwrap());
+    crowd.into_iter().for_each(|rx| drop(collect(rx)));
+    assert_eq!(alone, beside, "bit for bit, whatever shares the batch");
+    let none = collect(h.submit(req(vec![4, 5, 6], 12)).unwrap());
+    assert_eq!(none.tokens, alone.iter().map(|(id, _)| *id).collect::<Vec<_>>(), "asking changes no token");
+    let too_many = h.submit(with_logprobs(vec![1], 21)).unwrap_err();
+    assert!(matches!(too_many, SubmitError::InvalidParameter { param: "top_logprobs", .. }), "{too_many}");
 }

@@ -1,6 +1,6 @@
 """The official OpenAI Python client against a Bellows router, unchanged: chat and text
 completions, streamed and not, usage, structured outputs (`parse` with a Pydantic model,
-json_object), and errors surfacing as the client's own exceptions.
+json_object), logprobs, and errors surfacing as the client's own exceptions.
 Run by tests/real_model.rs with BASE_URL and MODEL set; exits non-zero on any mismatch."""
 import os
 import sys
@@ -106,4 +106,29 @@ try:
     sys.exit("an invalid schema must raise")
 except openai.BadRequestError as e:
     assert e.body["param"] == "response_format", e.body
+
+scored = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "What is the capital of France?"}],
+    max_tokens=12,
+    temperature=0,
+    logprobs=True,
+    top_logprobs=3,
+)
+entries = scored.choices[0].logprobs.content
+assert len(entries) == scored.usage.completion_tokens, (len(entries), scored.usage)
+assert "".join(e.token for e in entries) == scored.choices[0].message.content
+for e in entries:
+    assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token, e
+    assert e.logprob <= 0 and bytes(e.bytes).decode("utf-8", "replace") == e.token, e
+assert scored.choices[0].message.content == chat.choices[0].message.content
+legacy = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2)
+assert "".join(legacy.choices[0].logprobs.tokens) == legacy.choices[0].text, legacy
+try:
+    client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=21
+    )
+    sys.exit("top_logprobs over 20 must raise")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "top_logprobs", e.body
 print("openai client: ok")

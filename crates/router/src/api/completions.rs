@@ -28,7 +28,7 @@ use super::{
     AppState,
     error::{ApiError, Overload},
     request::{self, Endpoint, Input, Job, Prompt},
-    response::{self, Header, UsageOut},
+    response::{self, ChoiceOut, Header, UsageOut},
 };
 use crate::{
     cluster::ModelPool,
@@ -272,6 +272,7 @@ async fn complete(
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         n,
         choices,
+        logprobs: job.params.top_logprobs.is_some(),
         span: span.clone(),
         trace_text,
         arrived,
@@ -401,6 +402,8 @@ struct Reply {
     created: u64,
     n: u32,
     choices: usize,
+    /// The client asked for logprobs.
+    logprobs: bool,
     /// The request's span: it ends when the reply does (for a stream, when the stream does).
     span: Span,
     trace_text: bool,
@@ -498,7 +501,10 @@ impl Reply {
     }
 
     async fn whole(mut self, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
-        let mut texts = vec![(String::new(), "stop"); self.choices];
+        let logprobs = self.logprobs.then(Vec::new);
+        let mut texts: Vec<ChoiceOut> = (0..self.choices)
+            .map(|_| ChoiceOut { text: String::new(), finish: "stop", logprobs: logprobs.clone() })
+            .collect();
         let mut usage = UsageOut::default();
         let mut open = self.choices;
         let mut timing = Timing::default();
@@ -509,9 +515,15 @@ impl Reply {
             }
             match event {
                 Some(ChoiceEvent::Started { .. }) => {}
-                Some(ChoiceEvent::Text { index, text, .. }) => texts[index as usize].0.push_str(&text),
+                Some(ChoiceEvent::Text { index, text, logprobs, .. }) => {
+                    let choice = &mut texts[index as usize];
+                    choice.text.push_str(&text);
+                    if let Some(l) = &mut choice.logprobs {
+                        l.extend(logprobs);
+                    }
+                }
                 Some(ChoiceEvent::Done { index, finish, usage: u }) => {
-                    texts[index as usize].1 = response::finish_reason(finish);
+                    texts[index as usize].finish = response::finish_reason(finish);
                     usage.add(&u, index % self.n == 0);
                     open -= 1;
                 }
@@ -519,8 +531,8 @@ impl Reply {
                 None => return Err(ApiError::WorkerFailed("a choice ended without an answer".into())),
             }
         }
-        let finishes: Vec<&str> = texts.iter().map(|(_, f)| *f).collect();
-        let all_text = texts.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>().join("\n");
+        let finishes: Vec<&str> = texts.iter().map(|c| c.finish).collect();
+        let all_text = texts.iter().map(|c| c.text.as_str()).collect::<Vec<_>>().join("\n");
         self.record(&usage, &finishes, Some(&all_text));
         self.finished();
         let body = response::completion(self.endpoint, &self.header(false), &texts, usage);
@@ -541,6 +553,7 @@ impl Reply {
             }
         };
         let state = StreamState {
+            text_offsets: vec![0; self.choices],
             reply: self,
             rx,
             timing,
@@ -561,6 +574,8 @@ struct StreamState {
     rx: mpsc::Receiver<ChoiceEvent>,
     timing: Timing,
     pending: Option<ChoiceEvent>,
+    /// Per choice: characters of text its logprobs have covered (completions' `text_offset`).
+    text_offsets: Vec<u32>,
     /// Chat choices whose opening chunk (the role) was sent.
     opened: Vec<u32>,
     finishes: Vec<&'static str>,
@@ -595,14 +610,26 @@ impl StreamState {
         }
         match event {
             Some(ChoiceEvent::Started { .. }) => {}
-            Some(ChoiceEvent::Text { index, text, .. }) => {
+            Some(ChoiceEvent::Text { index, text, logprobs, .. }) => {
                 self.open(index, &mut out);
-                out.push(response::chunk(endpoint, &self.reply.header(true), index, false, Some(&text), None));
+                let logprobs = self
+                    .reply
+                    .logprobs
+                    .then(|| response::logprobs(endpoint, &logprobs, &mut self.text_offsets[index as usize]));
+                out.push(response::chunk(
+                    endpoint,
+                    &self.reply.header(true),
+                    index,
+                    false,
+                    Some(&text),
+                    logprobs,
+                    None,
+                ));
             }
             Some(ChoiceEvent::Done { index, finish, usage }) => {
                 self.open(index, &mut out);
                 let finish = response::finish_reason(finish);
-                out.push(response::chunk(endpoint, &self.reply.header(true), index, false, None, Some(finish)));
+                out.push(response::chunk(endpoint, &self.reply.header(true), index, false, None, None, Some(finish)));
                 self.usage.add(&usage, index % self.reply.n == 0);
                 self.finishes.push(finish);
                 self.closed += 1;
@@ -636,7 +663,7 @@ impl StreamState {
     fn open(&mut self, index: u32, out: &mut Vec<String>) {
         if self.reply.endpoint == Endpoint::ChatCompletions && !self.opened.contains(&index) {
             self.opened.push(index);
-            out.push(response::chunk(self.reply.endpoint, &self.reply.header(true), index, true, Some(""), None));
+            out.push(response::chunk(self.reply.endpoint, &self.reply.header(true), index, true, Some(""), None, None));
         }
     }
 }

@@ -64,7 +64,12 @@ pub struct GenerationParams {
     pub ignore_eos: bool,
     /// What the output must match (structured outputs); `None` = free text.
     pub structured: Option<Structured>,
+    /// Report each token's logprob with this many alternatives; `None` = no logprobs.
+    pub top_logprobs: Option<u32>,
 }
+
+/// The most alternatives per token a request may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: i64 = 20;
 
 /// A request's constraint and the field it came in, which its errors name.
 #[derive(Debug, Clone, PartialEq)]
@@ -136,6 +141,7 @@ struct RawRequest {
     logit_bias: Option<HashMap<String, f32>>,
     user: Option<String>,
     logprobs: Option<Value>,
+    top_logprobs: Option<i64>,
     echo: Option<bool>,
     suffix: Option<String>,
     best_of: Option<u32>,
@@ -201,12 +207,7 @@ fn validate(endpoint: Endpoint, raw: RawRequest) -> Result<Job, ApiError> {
     };
     unsupported(raw.echo == Some(true), "echo", "'echo' is not supported")?;
     unsupported(raw.suffix.as_deref().is_some_and(|s| !s.is_empty()), "suffix", "'suffix' is not supported")?;
-    let wants_logprobs = match &raw.logprobs {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
-        Some(Value::Number(n)) => n.as_u64() != Some(0),
-        Some(_) => true,
-    };
-    unsupported(wants_logprobs, "logprobs", "'logprobs' is not supported yet")?;
+    let top_logprobs = top_logprobs(endpoint, raw.logprobs, raw.top_logprobs)?;
     unsupported(raw.tools.as_ref().is_some_and(|t| !t.is_empty()), "tools", "tool calling is not supported")?;
     let structured = structured(raw.response_format, raw.guided_json, raw.guided_regex, raw.guided_grammar)?;
 
@@ -286,9 +287,44 @@ fn validate(endpoint: Endpoint, raw: RawRequest) -> Result<Job, ApiError> {
             stop_token_ids: raw.stop_token_ids.unwrap_or_default(),
             ignore_eos: raw.ignore_eos.unwrap_or(false),
             structured,
+            top_logprobs,
         },
         user: raw.user,
     })
+}
+
+/// Chat: `logprobs: true` with `top_logprobs` alternatives (0 unless given; given without
+/// `logprobs`, an error). Completions: `logprobs: k`, the legacy form. Both at most 20.
+fn top_logprobs(endpoint: Endpoint, logprobs: Option<Value>, top: Option<i64>) -> Result<Option<u32>, ApiError> {
+    let range = |param: &str, k: i64| {
+        if (0..=MAX_TOP_LOGPROBS).contains(&k) {
+            Ok(k as u32)
+        } else {
+            Err(ApiError::invalid(param, format!("'{param}' must be between 0 and {MAX_TOP_LOGPROBS}, got {k}")))
+        }
+    };
+    match endpoint {
+        Endpoint::ChatCompletions => {
+            let on = match logprobs {
+                None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+                Some(Value::Bool(true)) => true,
+                Some(_) => return Err(ApiError::invalid("logprobs", "'logprobs' must be a boolean")),
+            };
+            match (on, top) {
+                (false, Some(_)) => Err(ApiError::invalid("top_logprobs", "'top_logprobs' requires 'logprobs': true")),
+                (false, None) => Ok(None),
+                (true, top) => range("top_logprobs", top.unwrap_or(0)).map(Some),
+            }
+        }
+        Endpoint::Completions => match logprobs {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Number(n)) => match n.as_i64() {
+                Some(k) => range("logprobs", k).map(Some),
+                None => Err(ApiError::invalid("logprobs", "'logprobs' must be an integer")),
+            },
+            Some(_) => Err(ApiError::invalid("logprobs", "'logprobs' must be an integer")),
+        },
+    }
 }
 
 /// The one constraint a request may carry: OpenAI's `response_format` or one of vLLM's

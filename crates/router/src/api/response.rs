@@ -2,6 +2,7 @@
 
 use bellows_proto::worker::v1 as pb;
 use serde::Serialize;
+use serde_json::{Map, Value, json};
 
 use super::request::Endpoint;
 
@@ -60,7 +61,7 @@ struct Chunk<'a, C: Serialize> {
 struct ChatChunkChoice<'a> {
     index: u32,
     delta: ChatDelta<'a>,
-    logprobs: Option<()>,
+    logprobs: Option<Value>,
     finish_reason: Option<&'static str>,
 }
 
@@ -76,28 +77,29 @@ struct ChatDelta<'a> {
 struct TextChoice<'a> {
     index: u32,
     text: &'a str,
-    logprobs: Option<()>,
+    logprobs: Option<Value>,
     finish_reason: Option<&'static str>,
 }
 
-/// One streamed chunk for choice `index`: `role` opens a chat choice, `text` continues it,
-/// `finish` closes it.
+/// One streamed chunk for choice `index`: `role` opens a chat choice, `text` continues it (with
+/// its tokens' `logprobs`, from [`logprobs`]), `finish` closes it.
 pub fn chunk(
     endpoint: Endpoint,
     header: &Header<'_>,
     index: u32,
     role: bool,
     text: Option<&str>,
+    logprobs: Option<Value>,
     finish: Option<&'static str>,
 ) -> String {
     let json = match endpoint {
         Endpoint::ChatCompletions => {
             let delta = ChatDelta { role: role.then_some("assistant"), content: text };
-            let choice = ChatChunkChoice { index, delta, logprobs: None, finish_reason: finish };
+            let choice = ChatChunkChoice { index, delta, logprobs, finish_reason: finish };
             serde_json::to_string(&Chunk { header, choices: [choice], usage: None })
         }
         Endpoint::Completions => {
-            let choice = TextChoice { index, text: text.unwrap_or(""), logprobs: None, finish_reason: finish };
+            let choice = TextChoice { index, text: text.unwrap_or(""), logprobs, finish_reason: finish };
             serde_json::to_string(&Chunk { header, choices: [choice], usage: None })
         }
     };
@@ -109,11 +111,55 @@ pub fn usage_chunk(header: &Header<'_>, usage: UsageOut) -> String {
     serde_json::to_string(&Chunk { header, choices: [(); 0], usage: Some(usage) }).expect("chunks serialize")
 }
 
+/// Tokens' logprobs in the endpoint's shape. Chat: `{content: [{token, logprob, bytes,
+/// top_logprobs}], refusal}`. Completions: `{tokens, token_logprobs, top_logprobs, text_offset}`,
+/// where `offset` is the character offset of the first token's text in the choice, advanced
+/// past these tokens (a stream keeps one per choice).
+pub fn logprobs(endpoint: Endpoint, entries: &[pb::TokenLogprobs], offset: &mut u32) -> Value {
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    match endpoint {
+        Endpoint::ChatCompletions => {
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let top: Vec<Value> = e
+                        .top
+                        .iter()
+                        .map(|t| json!({"token": text(&t.token), "logprob": t.logprob, "bytes": t.token}))
+                        .collect();
+                    json!({"token": text(&e.token), "logprob": e.logprob, "bytes": e.token, "top_logprobs": top})
+                })
+                .collect();
+            json!({"content": content, "refusal": null})
+        }
+        Endpoint::Completions => {
+            let tokens: Vec<String> = entries.iter().map(|e| text(&e.token)).collect();
+            let mut text_offset = Vec::with_capacity(tokens.len());
+            for t in &tokens {
+                text_offset.push(*offset);
+                *offset += t.chars().count() as u32;
+            }
+            let top: Vec<Map<String, Value>> =
+                entries.iter().map(|e| e.top.iter().map(|t| (text(&t.token), json!(t.logprob))).collect()).collect();
+            let token_logprobs: Vec<f32> = entries.iter().map(|e| e.logprob).collect();
+            json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset})
+        }
+    }
+}
+
+/// One choice of a whole answer.
+pub struct ChoiceOut {
+    pub text: String,
+    pub finish: &'static str,
+    /// The choice's logprobs entries, when the request asked for them.
+    pub logprobs: Option<Vec<pb::TokenLogprobs>>,
+}
+
 #[derive(Serialize)]
 struct ChatChoice<'a> {
     index: u32,
     message: Message<'a>,
-    logprobs: Option<()>,
+    logprobs: Option<Value>,
     finish_reason: &'static str,
 }
 
@@ -123,23 +169,19 @@ struct Message<'a> {
     content: &'a str,
 }
 
-/// A whole (non-streamed) response; `choices` holds each choice's text and finish reason.
-pub fn completion(
-    endpoint: Endpoint,
-    header: &Header<'_>,
-    choices: &[(String, &'static str)],
-    usage: UsageOut,
-) -> String {
+/// A whole (non-streamed) response.
+pub fn completion(endpoint: Endpoint, header: &Header<'_>, choices: &[ChoiceOut], usage: UsageOut) -> String {
+    let lp = |c: &ChoiceOut| c.logprobs.as_ref().map(|e| logprobs(endpoint, e, &mut 0));
     let json = match endpoint {
         Endpoint::ChatCompletions => {
             let choices: Vec<_> = choices
                 .iter()
                 .enumerate()
-                .map(|(i, (text, finish))| ChatChoice {
+                .map(|(i, c)| ChatChoice {
                     index: i as u32,
-                    message: Message { role: "assistant", content: text },
-                    logprobs: None,
-                    finish_reason: finish,
+                    message: Message { role: "assistant", content: &c.text },
+                    logprobs: lp(c),
+                    finish_reason: c.finish,
                 })
                 .collect();
             serde_json::to_string(&Chunk { header, choices, usage: Some(usage) })
@@ -148,11 +190,11 @@ pub fn completion(
             let choices: Vec<_> = choices
                 .iter()
                 .enumerate()
-                .map(|(i, (text, finish))| TextChoice {
+                .map(|(i, c)| TextChoice {
                     index: i as u32,
-                    text,
-                    logprobs: None,
-                    finish_reason: Some(finish),
+                    text: &c.text,
+                    logprobs: lp(c),
+                    finish_reason: Some(c.finish),
                 })
                 .collect();
             serde_json::to_string(&Chunk { header, choices, usage: Some(usage) })
@@ -181,16 +223,55 @@ mod tests {
     fn chat_chunks_have_openais_shape() {
         let h = Header { id: "chatcmpl-1", object: "chat.completion.chunk", created: 7, model: "m" };
         let v: serde_json::Value =
-            serde_json::from_str(&chunk(Endpoint::ChatCompletions, &h, 0, true, Some(""), None)).unwrap();
+            serde_json::from_str(&chunk(Endpoint::ChatCompletions, &h, 0, true, Some(""), None, None)).unwrap();
         assert_eq!(v["choices"][0]["delta"]["role"], "assistant");
         assert_eq!(v["choices"][0]["finish_reason"], serde_json::Value::Null);
         assert_eq!(v["object"], "chat.completion.chunk");
         let v: serde_json::Value =
-            serde_json::from_str(&chunk(Endpoint::ChatCompletions, &h, 1, false, None, Some("length"))).unwrap();
+            serde_json::from_str(&chunk(Endpoint::ChatCompletions, &h, 1, false, None, None, Some("length"))).unwrap();
         assert_eq!(v["choices"][0]["delta"], serde_json::json!({}));
         assert_eq!(v["choices"][0]["index"], 1);
         let v: serde_json::Value = serde_json::from_str(&usage_chunk(&h, UsageOut::default())).unwrap();
         assert_eq!(v["choices"], serde_json::json!([]));
         assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    }
+
+    fn entries() -> Vec<pb::TokenLogprobs> {
+        let top =
+            |id: u32, lp: f32, t: &str| pb::TopLogprob { token_id: id, logprob: lp, token: t.as_bytes().to_vec() };
+        vec![
+            pb::TokenLogprobs {
+                logprob: -0.5,
+                token: b"He".to_vec(),
+                top: vec![top(1, -0.5, "He"), top(2, -1.5, "She")],
+            },
+            pb::TokenLogprobs { logprob: -0.25, token: "llé".as_bytes().to_vec(), top: vec![top(3, -0.25, "llé")] },
+        ]
+    }
+
+    #[test]
+    fn chat_logprobs_carry_token_bytes_and_alternatives_in_order() {
+        let v = logprobs(Endpoint::ChatCompletions, &entries(), &mut 0);
+        let c = &v["content"];
+        assert_eq!(c[0]["token"], "He");
+        assert_eq!(c[0]["logprob"], -0.5);
+        assert_eq!(c[1]["bytes"], serde_json::json!([108, 108, 195, 169]));
+        assert_eq!(
+            c[0]["top_logprobs"][1],
+            serde_json::json!({"token": "She", "logprob": -1.5, "bytes": [83, 104, 101]})
+        );
+        assert_eq!(v["refusal"], Value::Null);
+    }
+
+    #[test]
+    fn completion_logprobs_offsets_run_on_across_chunks_in_characters() {
+        let mut offset = 0;
+        let first = logprobs(Endpoint::Completions, &entries(), &mut offset);
+        assert_eq!(first["tokens"], serde_json::json!(["He", "llé"]));
+        assert_eq!(first["token_logprobs"], serde_json::json!([-0.5, -0.25]));
+        assert_eq!(first["top_logprobs"][0], serde_json::json!({"He": -0.5, "She": -1.5}));
+        assert_eq!(first["text_offset"], serde_json::json!([0, 2]));
+        let next = logprobs(Endpoint::Completions, &entries()[..1], &mut offset);
+        assert_eq!(next["text_offset"], serde_json::json!([5]), "\"He\" + \"llé\" is five characters");
     }
 }

@@ -31,9 +31,10 @@ use super::{
 };
 use crate::{
     engine::{EngineHandle, EventStream},
-    request::{Event, FinishReason, GenerateRequest, Progress, Usage},
+    request::{Event, FinishReason, GenerateRequest, Progress, TokenLogprobs, Usage},
     sampling::SamplingParams,
     tokenizer::ModelTokenizer,
+    vocab::Vocab,
 };
 
 /// What the service needs once the model is loaded.
@@ -140,6 +141,7 @@ impl Worker for WorkerService {
             hold,
             flush: None,
             delta_sent: false,
+            vocab: ready.engine.vocab(),
             log: RequestLog {
                 id,
                 trace_id: telemetry::trace_id(&span),
@@ -189,6 +191,7 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
     let constraint = r.constraint.and_then(|c| c.kind).map(constraint).transpose()?;
     Ok(GenerateRequest {
         constraint,
+        top_logprobs: r.top_logprobs,
         prompt: r.prompt_token_ids,
         params,
         max_tokens: r.max_tokens,
@@ -260,6 +263,8 @@ pub struct GenerateStream {
     flush: Option<Pin<Box<tokio::time::Sleep>>>,
     /// A Delta went out: later ones may be held.
     delta_sent: bool,
+    /// For the bytes of tokens in logprobs.
+    vocab: Arc<dyn Vocab>,
     log: RequestLog,
     /// The request's span (a child of the router's, when it sent a trace context), and the
     /// phase it is in: `queue` until admitted, `prefill` until the first token, then `decode`.
@@ -282,6 +287,19 @@ impl GenerateStream {
         }
     }
 
+    fn logprobs_frame(&self, id: u32, l: TokenLogprobs) -> pb::TokenLogprobs {
+        let bytes = |t: u32| self.vocab.token_bytes(t).to_vec();
+        pb::TokenLogprobs {
+            logprob: l.logprob,
+            token: bytes(id),
+            top: l
+                .top
+                .into_iter()
+                .map(|t| pb::TopLogprob { token_id: t.token, logprob: t.logprob, token: bytes(t.token) })
+                .collect(),
+        }
+    }
+
     fn absorb(&mut self, ev: Event) {
         match ev {
             Event::Progress(Progress::Admitted { cached_tokens }) => {
@@ -294,7 +312,7 @@ impl GenerateStream {
                     telemetry::span_event(phase, "prefill_chunk", &[("tokens", i64::from(tokens))]);
                 }
             }
-            Event::Token { id, text } => {
+            Event::Token { id, text, logprobs } => {
                 if self.log.first_token.is_none() {
                     let decode =
                         tracing::info_span!(parent: &self.span, "decode", bellows.tokens = tracing::field::Empty);
@@ -303,9 +321,11 @@ impl GenerateStream {
                 }
                 self.log.first_token.get_or_insert_with(Instant::now);
                 self.log.tokens += 1;
+                let logprobs = logprobs.map(|l| self.logprobs_frame(id, l));
                 let d = self.delta();
                 d.token_ids.push(id);
                 d.text.push_str(&text);
+                d.logprobs.extend(logprobs);
             }
             Event::Finished { text, reason, usage } => {
                 if !text.is_empty() {
