@@ -13,10 +13,23 @@ use minijinja::value::Kwargs;
 use minijinja::{AutoEscape, Environment, Error, ErrorKind, Value, context};
 
 /// One chat turn.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls, in OpenAI's shape with `function.arguments` as a JSON object
+    /// (as Hugging Face templates expect it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<serde_json::Value>,
+    /// A tool turn: the id of the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    pub fn new(role: String, content: String) -> Self {
+        ChatMessage { role, content, ..Default::default() }
+    }
 }
 
 const NAME: &str = "chat_template";
@@ -58,13 +71,29 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// The template renders function tools itself (it reads a `tools` variable).
+    pub fn renders_tools(&self) -> bool {
+        self.source.contains("tools")
+    }
+
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatTemplateError> {
+        self.render_with_tools(messages, add_generation_prompt, None)
+    }
+
+    /// [`ChatTemplate::render`] with `tools` (OpenAI's tool objects) passed to the template.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<String, ChatTemplateError> {
         let template = self.env.get_template(NAME).map_err(|e| ChatTemplateError(format!("{e:#}")))?;
         // An absent special token is undefined in the template, as in HF (not the string "None").
         let token = |t: &Option<String>| t.as_deref().map_or(Value::UNDEFINED, Value::from);
         template
             .render(context! {
                 messages => messages,
+                tools => tools.map_or(Value::UNDEFINED, Value::from_serialize),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => token(&self.bos_token),
                 eos_token => token(&self.eos_token),
@@ -131,7 +160,7 @@ mod tests {
     const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage::new(role.into(), content.into())
     }
 
     fn smollm2() -> ChatTemplate {

@@ -232,6 +232,8 @@ mod tests {
         assert_eq!(Constraint::JsonObject.check(), Ok(()));
         assert_eq!(Constraint::Regex("[a-z]{3}-[0-9]+".into()).check(), Ok(()));
         assert_eq!(Constraint::Lark("start: \"yes\" | \"no\"".into()).check(), Ok(()));
+        let embedded = "start: \"<a>\" obj (\"\\n\" obj)*\nobj: %json {\"type\": \"object\", \"properties\": {\"n\": {\"const\": 1}}}";
+        assert_eq!(Constraint::Lark(embedded.into()).check(), Ok(()), "a JSON Schema inside a grammar");
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod placement;
 pub mod tenants;
 pub mod tokenize;
+pub mod tools;
 
 use std::{
     sync::Arc,

@@ -17,6 +17,8 @@ use std::{
 
 use anyhow::Context;
 use bellows_common::chat_template::{ChatMessage, ChatTemplate};
+
+use crate::tools::{self, Tools};
 use bellows_proto::worker::v1 as pb;
 use tokio::sync::oneshot;
 use xxhash_rust::xxh3::xxh3_64;
@@ -115,12 +117,26 @@ impl PromptTokenizer {
         Ok(PromptTokenizer::Model { tokenizer: Box::new(tokenizer), template })
     }
 
+    /// The model's chat template, if it has one.
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        match self {
+            PromptTokenizer::Model { template, .. } => template.as_deref(),
+            PromptTokenizer::Sim { .. } => None,
+        }
+    }
+
     /// Render the conversation with the chat template (ending with the assistant's turn) and
-    /// tokenize it; the template writes any BOS itself.
-    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+    /// tokenize it; the template writes any BOS itself. Tools reach the prompt as
+    /// [`tools::prompt`] decides.
+    pub fn encode_chat(&self, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+        let renders_tools = self.template().is_some_and(ChatTemplate::renders_tools);
+        let (messages, tools) = tools::prompt::conversation(messages, tools, renders_tools);
+        let messages = &messages[..];
         match self {
             PromptTokenizer::Model { template: Some(t), tokenizer } => {
-                let text = t.render(messages, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+                let text = t
+                    .render_with_tools(messages, true, tools.as_deref())
+                    .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
                 encode(tokenizer, &text, false)
             }
             PromptTokenizer::Model { template: None, .. } => {

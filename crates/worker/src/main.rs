@@ -107,9 +107,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let text = if a.chat {
         let mut m = Vec::new();
         if let Some(s) = &a.system {
-            m.push(ChatMessage { role: "system".into(), content: s.clone() });
+            m.push(ChatMessage::new("system".into(), s.clone()));
         }
-        m.push(ChatMessage { role: "user".into(), content: a.prompt.clone() });
+        m.push(ChatMessage::new("user".into(), a.prompt.clone()));
         tok.apply_chat_template(&m, true)?
     } else {
         a.prompt.clone()

@@ -196,12 +196,8 @@ fn a_prefix_cache_hit_gives_the_cold_output_and_skips_the_cached_prefill() {
     let (e, tok) = engine(EngineConfig::default());
     let h = e.handle();
     let system = "You are a careful assistant. Answer briefly and precisely, and never invent facts. ".repeat(3);
-    let msgs = |q: &str| {
-        vec![
-            ChatMessage { role: "system".into(), content: system.clone() },
-            ChatMessage { role: "user".into(), content: q.into() },
-        ]
-    };
+    let msgs =
+        |q: &str| vec![ChatMessage::new("system".into(), system.clone()), ChatMessage::new("user".into(), q.into())];
     let p1 =
         tok.encode(&tok.apply_chat_template(&msgs("What is the capital of Italy?"), true).unwrap(), false).unwrap();
     let cold = run(&h, greedy(p1.clone(), 16));
@@ -228,10 +224,8 @@ fn a_prefix_cache_hit_gives_the_cold_output_and_skips_the_cached_prefill() {
 #[test]
 fn streamed_text_is_exactly_the_decoded_tokens_even_for_multibyte_output() {
     let (e, tok) = engine(EngineConfig::default());
-    let msgs = [ChatMessage {
-        role: "user".into(),
-        content: "Write the Chinese characters for 'hello world' and a smiley emoji.".into(),
-    }];
+    let msgs =
+        [ChatMessage::new("user".into(), "Write the Chinese characters for 'hello world' and a smiley emoji.".into())];
     let prompt = tok.encode(&tok.apply_chat_template(&msgs, true).unwrap(), false).unwrap();
     let out = run(&e.handle(), greedy(prompt, 48));
     assert_eq!(out.text, tok.decode(&out.tokens));

@@ -166,8 +166,8 @@ fn tokenizer_json_for_a_router_encodes_like_the_worker() {
 fn smollm2_chat_template_from_the_gguf_renders_chatml() {
     let tok = tokenizer();
     assert!(tok.chat_template().is_some_and(|t| t.contains("<|im_start|>")));
-    let user = ChatMessage { role: "user".into(), content: "What is 2+2?".into() };
-    let system = ChatMessage { role: "system".into(), content: "Be brief.".into() };
+    let user = ChatMessage::new("user".into(), "What is 2+2?".into());
+    let system = ChatMessage::new("system".into(), "Be brief.".into());
 
     let prompt = tok.apply_chat_template(std::slice::from_ref(&user), true).unwrap();
     assert_eq!(

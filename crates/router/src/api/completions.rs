@@ -19,22 +19,25 @@ use axum::{
         sse::{Event, KeepAlive, Sse},
     },
 };
-use bellows_common::{prefix_hash::BlockHash, telemetry};
+use bellows_common::{chat_template::ChatTemplate, prefix_hash::BlockHash, telemetry};
 use futures_util::{Stream, StreamExt, stream};
+use serde_json::Value;
 use tokio::sync::mpsc;
 use tracing::{Instrument, Span, field::Empty};
 
 use super::{
     AppState,
     error::{ApiError, Overload},
-    request::{self, Endpoint, Input, Job, Prompt},
+    request::{self, Endpoint, Input, Job, Prompt, Structured},
     response::{self, ChoiceOut, Header, UsageOut},
+    tool_request,
 };
 use crate::{
     cluster::ModelPool,
     dispatch::{Choice, ChoiceEvent},
     metrics::{Latencies, ReasonLabels, RequestLabels},
     tenants::{Admission as LimitAdmission, ModelUsage, QueueRejection, Tenant, Turn},
+    tools::{self, Family, Piece, ToolCallParser, Tools},
 };
 
 pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -168,19 +171,17 @@ async fn complete(
         }
     })?;
     let mut job = request::parse(endpoint, &bytes)?;
-    if let Some(structured) = job.params.structured.clone() {
-        // A grammar compile is CPU work of up to milliseconds: on the tokenizer threads.
-        let checked = state.tokenizers.run(move || structured.check()).await;
-        checked.map_err(|_| tokenizer_busy())??;
-    }
     span.record("gen_ai.request.model", job.model.as_str());
     if let Some(m) = job.params.max_tokens {
         span.record("gen_ai.request.max_tokens", m);
     }
     let pool = state.cluster.model(&job.model).ok_or_else(|| ApiError::ModelNotFound(job.model.clone()))?;
     who.model = Some(pool.name.clone());
+    let family = Family::of_template(pool.tokenizer.template().map(ChatTemplate::source));
+    check_constraints(state, family, &mut job).await?;
 
     let input = std::mem::replace(&mut job.input, Input::Prompts(Vec::new()));
+    let tools = job.tools.clone();
     let trace_text = state.trace_text;
     let cache_salt = tenant.cache_salt();
     let tokenized = {
@@ -189,12 +190,14 @@ async fn complete(
             let (pool, cache_salt, in_pool) = (pool.clone(), cache_salt.clone(), tokenize_span.clone());
             state
                 .tokenizers
-                .run(move || in_pool.in_scope(|| tokenize(&pool, input, cache_salt.as_deref(), trace_text)))
+                .run(move || {
+                    in_pool.in_scope(|| tokenize(&pool, input, tools.as_ref(), cache_salt.as_deref(), trace_text))
+                })
                 .await
                 .map_err(|_| tokenizer_busy())??
         } else {
             // Token ids only need hashing, which costs less than the hop to the pool.
-            tokenize_span.in_scope(|| tokenize(&pool, input, cache_salt.as_deref(), trace_text))?
+            tokenize_span.in_scope(|| tokenize(&pool, input, tools.as_ref(), cache_salt.as_deref(), trace_text))?
         };
         let tokens: usize = result.iter().map(|t| t.tokens.len()).sum();
         tokenize_span.record("bellows.prompt_tokens", tokens);
@@ -273,6 +276,7 @@ async fn complete(
         n,
         choices,
         logprobs: job.params.top_logprobs.is_some(),
+        tool_parsing: job.tools.as_ref().filter(|t| t.active()).map(|t| (family, t.parallel)),
         span: span.clone(),
         trace_text,
         arrived,
@@ -280,6 +284,27 @@ async fn complete(
         accounting: Accounting { limits, usage, turn },
     };
     if job.stream { reply.stream(rx, job.include_usage).await } else { reply.whole(rx).await }
+}
+
+/// A forced tool call becomes the request's constraint; then every constraint and every tool's
+/// parameters schema is compiled, as a worker would, on the tokenizer threads (milliseconds of
+/// CPU each), before anything else is spent.
+async fn check_constraints(state: &AppState, family: Family, job: &mut Job) -> Result<(), ApiError> {
+    if let Some(c) = job.tools.as_ref().and_then(|t| t.constraint(family)) {
+        job.params.structured = Some(Structured { constraint: c, param: "tool_choice" });
+    }
+    let (structured, tools) = (job.params.structured.clone(), job.tools.clone());
+    if structured.is_none() && tools.is_none() {
+        return Ok(());
+    }
+    let checked = state
+        .tokenizers
+        .run(move || {
+            tools.as_ref().map_or(Ok(()), tool_request::check_parameters)?;
+            structured.as_ref().map_or(Ok(()), Structured::check)
+        })
+        .await;
+    checked.map_err(|_| tokenizer_busy())?
 }
 
 /// The tokenizer threads' queue is full: retry shortly.
@@ -309,6 +334,7 @@ fn needs_tokenizer(input: &Input) -> bool {
 fn tokenize(
     pool: &ModelPool,
     input: Input,
+    tools: Option<&Tools>,
     cache_salt: Option<&str>,
     trace_text: bool,
 ) -> Result<Vec<Tokenized>, ApiError> {
@@ -320,7 +346,7 @@ fn tokenize(
         Span::current().record("bellows.prompt", text);
     }
     let prompts: Vec<Vec<u32>> = match input {
-        Input::Chat(messages) => vec![pool.tokenizer.encode_chat(&messages)?],
+        Input::Chat(messages) => vec![pool.tokenizer.encode_chat(&messages, tools)?],
         Input::Prompts(prompts) => prompts
             .into_iter()
             .map(|p| match p {
@@ -404,6 +430,8 @@ struct Reply {
     choices: usize,
     /// The client asked for logprobs.
     logprobs: bool,
+    /// Read tool calls out of each choice's text: the model family and `parallel_tool_calls`.
+    tool_parsing: Option<(Family, bool)>,
     /// The request's span: it ends when the reply does (for a stream, when the stream does).
     span: Span,
     trace_text: bool,
@@ -503,7 +531,12 @@ impl Reply {
     async fn whole(mut self, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
         let logprobs = self.logprobs.then(Vec::new);
         let mut texts: Vec<ChoiceOut> = (0..self.choices)
-            .map(|_| ChoiceOut { text: String::new(), finish: "stop", logprobs: logprobs.clone() })
+            .map(|_| ChoiceOut {
+                text: String::new(),
+                finish: "stop",
+                logprobs: logprobs.clone(),
+                tool_calls: Vec::new(),
+            })
             .collect();
         let mut usage = UsageOut::default();
         let mut open = self.choices;
@@ -531,6 +564,13 @@ impl Reply {
                 None => return Err(ApiError::WorkerFailed("a choice ended without an answer".into())),
             }
         }
+        if let Some((family, parallel)) = self.tool_parsing {
+            for c in &mut texts {
+                let (text, calls) = tools::split_calls(family, parallel, &c.text);
+                (c.text, c.tool_calls) = (text, calls);
+                c.finish = response::finish_with_calls(c.finish, !c.tool_calls.is_empty());
+            }
+        }
         let finishes: Vec<&str> = texts.iter().map(|c| c.finish).collect();
         let all_text = texts.iter().map(|c| c.text.as_str()).collect::<Vec<_>>().join("\n");
         self.record(&usage, &finishes, Some(&all_text));
@@ -552,7 +592,12 @@ impl Reply {
                 None => return Err(ApiError::WorkerFailed("no choice produced anything".into())),
             }
         };
+        let parsers = (0..self.choices)
+            .map(|_| self.tool_parsing.map(|(family, parallel)| ToolCallParser::new(family, parallel)))
+            .collect();
         let state = StreamState {
+            parsers,
+            calls: vec![0; self.choices],
             text_offsets: vec![0; self.choices],
             reply: self,
             rx,
@@ -576,6 +621,9 @@ struct StreamState {
     pending: Option<ChoiceEvent>,
     /// Per choice: characters of text its logprobs have covered (completions' `text_offset`).
     text_offsets: Vec<u32>,
+    /// Per choice, with tools: its call parser, and the calls it sent.
+    parsers: Vec<Option<ToolCallParser>>,
+    calls: Vec<usize>,
     /// Chat choices whose opening chunk (the role) was sent.
     opened: Vec<u32>,
     finishes: Vec<&'static str>,
@@ -616,19 +664,20 @@ impl StreamState {
                     .reply
                     .logprobs
                     .then(|| response::logprobs(endpoint, &logprobs, &mut self.text_offsets[index as usize]));
-                out.push(response::chunk(
-                    endpoint,
-                    &self.reply.header(true),
-                    index,
-                    false,
-                    Some(&text),
-                    logprobs,
-                    None,
-                ));
+                let pieces = match &mut self.parsers[index as usize] {
+                    Some(p) => p.push(&text),
+                    None => vec![Piece::Content(text)],
+                };
+                self.send_pieces(index, pieces, logprobs, &mut out);
             }
             Some(ChoiceEvent::Done { index, finish, usage }) => {
                 self.open(index, &mut out);
-                let finish = response::finish_reason(finish);
+                if let Some(p) = &mut self.parsers[index as usize] {
+                    let pieces = p.finish();
+                    self.send_pieces(index, pieces, None, &mut out);
+                }
+                let made_calls = self.calls[index as usize] > 0;
+                let finish = response::finish_with_calls(response::finish_reason(finish), made_calls);
                 out.push(response::chunk(endpoint, &self.reply.header(true), index, false, None, None, Some(finish)));
                 self.usage.add(&usage, index % self.reply.n == 0);
                 self.finishes.push(finish);
@@ -657,6 +706,27 @@ impl StreamState {
             }
         }
         out
+    }
+
+    /// Content and calls of choice `index` as chunks; `logprobs` go with the first content chunk
+    /// (or one of their own when all of it was call markup).
+    fn send_pieces(&mut self, index: u32, pieces: Vec<Piece>, mut logprobs: Option<Value>, out: &mut Vec<String>) {
+        let (endpoint, header) = (self.reply.endpoint, self.reply.header(true));
+        for piece in pieces {
+            match piece {
+                Piece::Content(text) => {
+                    out.push(response::chunk(endpoint, &header, index, false, Some(&text), logprobs.take(), None));
+                }
+                Piece::Call(call) => {
+                    let sent = &mut self.calls[index as usize];
+                    out.push(response::tool_calls_chunk(&header, index, *sent, &[call]));
+                    *sent += 1;
+                }
+            }
+        }
+        if logprobs.is_some() {
+            out.push(response::chunk(endpoint, &header, index, false, Some(""), logprobs, None));
+        }
     }
 
     /// A chat choice's first chunk carries the assistant role.

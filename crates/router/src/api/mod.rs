@@ -4,6 +4,7 @@ pub mod completions;
 pub mod error;
 pub mod request;
 pub mod response;
+pub mod tool_request;
 
 use std::sync::Arc;
 

@@ -16,7 +16,8 @@ use bellows_proto::worker::v1 as pb;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::error::ApiError;
+use super::{error::ApiError, tool_request};
+use crate::tools::Tools;
 
 /// Which OpenAI endpoint a body came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +107,8 @@ pub struct Job {
     pub include_usage: bool,
     pub params: GenerationParams,
     pub user: Option<String>,
+    /// Chat only: the functions the model may call, and how.
+    pub tools: Option<Tools>,
 }
 
 impl Job {
@@ -146,6 +149,8 @@ struct RawRequest {
     suffix: Option<String>,
     best_of: Option<u32>,
     tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
     response_format: Option<Value>,
     // vLLM extensions, handy for benchmarks.
     ignore_eos: Option<bool>,
@@ -160,6 +165,8 @@ struct RawRequest {
 struct RawMessage {
     role: String,
     content: Option<Value>,
+    tool_calls: Option<Vec<Value>>,
+    tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -208,8 +215,20 @@ fn validate(endpoint: Endpoint, raw: RawRequest) -> Result<Job, ApiError> {
     unsupported(raw.echo == Some(true), "echo", "'echo' is not supported")?;
     unsupported(raw.suffix.as_deref().is_some_and(|s| !s.is_empty()), "suffix", "'suffix' is not supported")?;
     let top_logprobs = top_logprobs(endpoint, raw.logprobs, raw.top_logprobs)?;
-    unsupported(raw.tools.as_ref().is_some_and(|t| !t.is_empty()), "tools", "tool calling is not supported")?;
+    let tools = match endpoint {
+        Endpoint::ChatCompletions => tool_request::parse(raw.tools, raw.tool_choice, raw.parallel_tool_calls)?,
+        Endpoint::Completions => {
+            unsupported(raw.tools.is_some_and(|t| !t.is_empty()), "tools", "tools are for /v1/chat/completions")?;
+            None
+        }
+    };
+    if let Input::Chat(messages) = &input {
+        tool_request::check_tool_turns(messages)?;
+    }
     let structured = structured(raw.response_format, raw.guided_json, raw.guided_regex, raw.guided_grammar)?;
+    if let (Some(s), Some(_)) = (&structured, tools.as_ref().filter(|t| t.active())) {
+        return Err(ApiError::invalid(s.param, format!("'{}' cannot be combined with tools", s.param)));
+    }
 
     let n = raw.n.unwrap_or(1);
     let prompts = match &input {
@@ -290,6 +309,7 @@ fn validate(endpoint: Endpoint, raw: RawRequest) -> Result<Job, ApiError> {
             top_logprobs,
         },
         user: raw.user,
+        tools,
     })
 }
 
@@ -483,7 +503,11 @@ fn chat_messages(raw: Vec<RawMessage>) -> Result<Vec<ChatMessage>, ApiError> {
                     ));
                 }
             };
-            Ok(ChatMessage { role, content })
+            let tool_calls = match role.as_str() {
+                "assistant" => tool_request::history_calls(i, m.tool_calls)?,
+                _ => Vec::new(),
+            };
+            Ok(ChatMessage { role, content, tool_calls, tool_call_id: m.tool_call_id })
         })
         .collect()
 }
@@ -545,7 +569,7 @@ mod tests {
         assert!(!job.stream);
         assert_eq!(job.params.max_tokens, None);
         assert_eq!(job.params.sampling, pb::SamplingParams::default());
-        assert_eq!(job.input, Input::Chat(vec![ChatMessage { role: "user".into(), content: "hi".into() }]));
+        assert_eq!(job.input, Input::Chat(vec![ChatMessage::new("user".into(), "hi".into())]));
     }
 
     #[test]
@@ -614,7 +638,7 @@ mod tests {
     fn text_content_parts_are_joined_and_images_refused() {
         let job = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#)
             .unwrap();
-        assert_eq!(job.input, Input::Chat(vec![ChatMessage { role: "user".into(), content: "ab".into() }]));
+        assert_eq!(job.input, Input::Chat(vec![ChatMessage::new("user".into(), "ab".into())]));
         let e = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#)
             .unwrap_err();
         assert_eq!(param_of(e), Some("messages[0].content".into()));

@@ -5,6 +5,7 @@ use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::request::Endpoint;
+use crate::tools::{self, ParsedCall};
 
 pub fn finish_reason(f: pb::FinishReason) -> &'static str {
     match f {
@@ -71,6 +72,8 @@ struct ChatDelta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<Value>>,
 }
 
 #[derive(Serialize)]
@@ -94,7 +97,7 @@ pub fn chunk(
 ) -> String {
     let json = match endpoint {
         Endpoint::ChatCompletions => {
-            let delta = ChatDelta { role: role.then_some("assistant"), content: text };
+            let delta = ChatDelta { role: role.then_some("assistant"), content: text, tool_calls: None };
             let choice = ChatChunkChoice { index, delta, logprobs, finish_reason: finish };
             serde_json::to_string(&Chunk { header, choices: [choice], usage: None })
         }
@@ -104,6 +107,15 @@ pub fn chunk(
         }
     };
     json.expect("chunks serialize")
+}
+
+/// A chat chunk carrying complete tool calls of choice `index`, numbered from `first` within
+/// the choice (OpenAI's `delta.tool_calls[{index, id, type, function: {name, arguments}}]`).
+pub fn tool_calls_chunk(header: &Header<'_>, index: u32, first: usize, calls: &[ParsedCall]) -> String {
+    let tool_calls = calls.iter().enumerate().map(|(k, c)| tools::call_json(c, Some(first + k))).collect();
+    let delta = ChatDelta { role: None, content: None, tool_calls: Some(tool_calls) };
+    let choice = ChatChunkChoice { index, delta, logprobs: None, finish_reason: None };
+    serde_json::to_string(&Chunk { header, choices: [choice], usage: None }).expect("chunks serialize")
 }
 
 /// The last chunk when the client asked for `stream_options.include_usage`: no choices.
@@ -153,6 +165,13 @@ pub struct ChoiceOut {
     pub finish: &'static str,
     /// The choice's logprobs entries, when the request asked for them.
     pub logprobs: Option<Vec<pb::TokenLogprobs>>,
+    /// Calls parsed out of the text (which then holds only the rest).
+    pub tool_calls: Vec<ParsedCall>,
+}
+
+/// `finish_reason` of a choice that made calls and stopped by itself: `tool_calls`.
+pub fn finish_with_calls(finish: &'static str, made_calls: bool) -> &'static str {
+    if made_calls && finish == "stop" { "tool_calls" } else { finish }
 }
 
 #[derive(Serialize)]
@@ -166,7 +185,10 @@ struct ChatChoice<'a> {
 #[derive(Serialize)]
 struct Message<'a> {
     role: &'static str,
-    content: &'a str,
+    /// Null when the answer is only tool calls, as OpenAI's is.
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<Value>>,
 }
 
 /// A whole (non-streamed) response.
@@ -179,7 +201,12 @@ pub fn completion(endpoint: Endpoint, header: &Header<'_>, choices: &[ChoiceOut]
                 .enumerate()
                 .map(|(i, c)| ChatChoice {
                     index: i as u32,
-                    message: Message { role: "assistant", content: &c.text },
+                    message: Message {
+                        role: "assistant",
+                        content: (!c.text.is_empty() || c.tool_calls.is_empty()).then_some(c.text.as_str()),
+                        tool_calls: (!c.tool_calls.is_empty())
+                            .then(|| c.tool_calls.iter().map(|t| tools::call_json(t, None)).collect()),
+                    },
                     logprobs: lp(c),
                     finish_reason: c.finish,
                 })

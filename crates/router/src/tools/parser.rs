@@ -88,8 +88,9 @@ impl ToolCallParser {
         let rest = std::mem::take(&mut self.buf);
         let mut out = Vec::new();
         if !self.in_calls {
-            if !rest.is_empty() {
-                out.push(Piece::Content(rest));
+            // Whitespace after the last call belongs to no one.
+            if !(rest.trim().is_empty() && self.calls > 0) {
+                content(&mut out, &rest);
             }
             return out;
         }
@@ -121,18 +122,12 @@ impl ToolCallParser {
                     Some(call) => self.emit_call(call, out),
                     None => tracing::debug!(body = %body, "dropped a tool call that is not valid JSON"),
                 }
-                // The newline a model writes between blocks belongs to neither.
-                if self.buf.starts_with('\n') {
-                    self.buf.remove(0);
-                }
             } else if let Some(start) = self.buf.find(HERMES_OPEN) {
                 let before: String = self.buf.drain(..start + HERMES_OPEN.len()).collect();
                 content(out, before[..start].trim_end_matches('\n'));
                 self.in_calls = true;
             } else {
-                let keep = held_prefix(&self.buf, &[HERMES_OPEN]);
-                let ready: String = self.buf.drain(..self.buf.len() - keep).collect();
-                content(out, &ready);
+                self.release_content(&[HERMES_OPEN], out);
                 return;
             }
         }
@@ -153,8 +148,14 @@ impl ToolCallParser {
             self.in_calls = true;
             return;
         }
-        let keep = held_prefix(&self.buf, markers);
-        let ready: String = self.buf.drain(..self.buf.len() - keep).collect();
+        self.release_content(markers, out);
+    }
+
+    /// Send as content what can no longer begin a call: all but a possible start of a marker
+    /// and the whitespace before it (which goes with the call if one begins there).
+    fn release_content(&mut self, markers: &[&str], out: &mut Vec<Piece>) {
+        let split = self.buf.len() - held_prefix(&self.buf, markers);
+        let ready: String = self.buf.drain(..self.buf[..split].trim_end().len()).collect();
         content(out, &ready);
     }
 }
@@ -167,11 +168,7 @@ fn content(out: &mut Vec<Piece>, text: &str) {
 
 /// The length of the longest suffix of `text` that is a proper prefix of a marker.
 fn held_prefix(text: &str, markers: &[&str]) -> usize {
-    markers
-        .iter()
-        .flat_map(|m| (1..m.len()).rev().filter(|&n| text.ends_with(&m[..n])))
-        .max()
-        .unwrap_or(0)
+    markers.iter().flat_map(|m| (1..m.len()).rev().filter(|&n| text.ends_with(&m[..n]))).max().unwrap_or(0)
 }
 
 /// `{"name": ..., <args_key>: {...}}` (arguments may also be given as JSON text).
@@ -206,7 +203,8 @@ mod tests {
 
     fn run(family: Family, parallel: bool, chunks: &[&str]) -> (String, Vec<ParsedCall>) {
         let mut p = ToolCallParser::new(family, parallel);
-        let pieces: Vec<Piece> = chunks.iter().flat_map(|c| p.push(c)).chain(p.finish()).collect();
+        let mut pieces: Vec<Piece> = chunks.iter().flat_map(|c| p.push(c)).collect();
+        pieces.extend(p.finish());
         let mut text = String::new();
         let mut calls = Vec::new();
         for piece in pieces {

@@ -518,7 +518,7 @@ mod tests {
     #[test]
     fn chat_template_uses_gguf_bos_and_eos_texts() {
         let t = ModelTokenizer::from_gguf(&tiny_gguf("smollm", false)).unwrap();
-        let msgs = [ChatMessage { role: "user".into(), content: "Hi".into() }];
+        let msgs = [ChatMessage::new("user".into(), "Hi".into())];
         assert_eq!(
             t.apply_chat_template(&msgs, true).unwrap(),
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
