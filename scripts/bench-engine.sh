@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The engine benchmarks of docs/BENCHMARKS.md, side by side with llama.cpp in one run.
-# Run on a quiet machine (scripts/quiet.sh pauses niced background processes). Prints JSON lines.
+# Run on a quiet machine (scripts/quiet.sh pauses background process groups you name). Prints JSON lines.
 #   usage: scripts/bench-engine.sh [RUNS]      (default 5 alternating single-stream runs each)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -31,8 +31,8 @@ out="${OUT:-$CARGO_TARGET_DIR/bench-router}"
 bin="$out/bin"
 
 if [[ -z "${BENCH_ROUTER_INNER:-}" ]]; then
-    # Build and install before quiet.sh: it pauses niced processes, and a paused build elsewhere
-    # could hold the cargo lock this build waits for.
+    # Build and install before quiet.sh: it pauses the process groups named to it, and a paused
+    # build could hold the cargo lock this build waits for.
     nice -n 19 cargo build --release -q --workspace --bins
     if ! "$venv/bin/python" -c "import sglang_router, vllm_router" 2>/dev/null; then
         python3 -m venv "$venv"
@@ -104,7 +104,7 @@ wait_ready() {
     return 1
 }
 
-# Processes that are not niced (another benchmark, a test's workers) are not paused by quiet.sh:
+# Processes quiet.sh was not told to pause (another benchmark, a test's workers) keep running:
 # wait, up to 2 minutes, until the machine has been nearly idle for a second before measuring.
 # Each result also records the machine's busy share during its run.
 wait_idle() {

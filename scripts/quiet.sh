@@ -1,17 +1,14 @@
 #!/usr/bin/env bash
-# Run a command with every other niced (background) process on the machine paused, and resume
-# them after: benchmarks on 2 shared cores are meaningless while a build runs beside them.
-#   usage: scripts/quiet.sh COMMAND...
+# Run a command with the caller's own background work paused, and resume it after: benchmarks on
+# 2 shared cores are meaningless while a build runs beside them. Only the process groups named in
+# BELLOWS_QUIET_PGIDS (space-separated; groups the caller started, e.g. a background build's) are
+# paused; nothing else on the machine is signalled. Without it the command just runs.
+#   usage: BELLOWS_QUIET_PGIDS="1234 5678" scripts/quiet.sh COMMAND...
 set -uo pipefail
-stopped=()
-resume() { ((${#stopped[@]})) && kill -CONT "${stopped[@]}" 2>/dev/null; }
-trap resume EXIT
-# Repeat: a parent may have started a child between listing and stopping.
-for _ in 1 2 3 4 5; do
-    pids=$(ps -eo pid=,ni=,stat= | awk '$2 > 0 && $3 !~ /T/ {print $1}')
-    [[ -z "$pids" ]] && break
-    kill -STOP $pids 2>/dev/null
-    stopped+=($pids)
-    sleep 0.2
+groups=()
+for g in ${BELLOWS_QUIET_PGIDS:-}; do
+    [[ "$g" =~ ^[0-9]+$ ]] && kill -STOP -- "-$g" 2>/dev/null && groups+=("$g")
 done
+resume() { for g in "${groups[@]}"; do kill -CONT -- "-$g" 2>/dev/null; done; }
+trap resume EXIT
 "$@"

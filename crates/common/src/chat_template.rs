@@ -235,4 +235,19 @@ mod tests {
     fn unparsable_template_fails_at_construction() {
         assert!(ChatTemplate::new("{% for %}", None, None).is_err());
     }
+
+    #[test]
+    fn tools_and_tool_calls_reach_a_template_that_renders_them() {
+        let src = "{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}\
+                   {% for m in messages %}{{ m.role }}:{{ m.content }}\
+                   {% for c in m.tool_calls %}<{{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}|{% endfor %}";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        assert!(t.renders_tools());
+        let tools = [serde_json::json!({"type": "function", "function": {"name": "f"}})];
+        let call =
+            serde_json::json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}});
+        let msgs = [msg("user", "hi"), ChatMessage { tool_calls: vec![call], ..msg("assistant", "") }];
+        assert_eq!(t.render_with_tools(&msgs, false, Some(&tools)).unwrap(), "[f;]user:hi|assistant:<f {\"x\": 1}>|");
+        assert_eq!(t.render(&msgs[..1], false).unwrap(), "user:hi|", "no tools: the variable is undefined");
+    }
 }

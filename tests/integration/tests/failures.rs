@@ -86,13 +86,33 @@ async fn a_constrained_stream_migrates_with_its_grammar_and_still_matches_its_sc
         "model": "sim", "prompt": [11, 12, 13], "max_tokens": 200, "temperature": 1, "seed": 3,
         "guided_json": schema,
     });
-    let text = migrate_mid_stream(request).await;
+    let (text, _) = migrate_mid_stream(request).await;
     schemas::check_output(&schema, &text).unwrap();
 }
 
+#[tokio::test]
+async fn a_migrated_stream_reports_the_same_logprobs_as_an_undisturbed_one() {
+    let request =
+        json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 60, "temperature": 1, "seed": 5, "logprobs": 3});
+    let (_, chunks) = migrate_mid_stream(request.clone()).await;
+    let mut tokens = Vec::new();
+    let mut logprobs = Vec::new();
+    for c in chunks.iter().filter_map(|c| c["choices"].get(0)) {
+        tokens.extend(c["logprobs"]["tokens"].as_array().into_iter().flatten().cloned());
+        logprobs.extend(c["logprobs"]["token_logprobs"].as_array().into_iter().flatten().cloned());
+    }
+    // The new worker's logits are bit-exact with the old one's: the same numbers, not close ones.
+    let undisturbed = Worker::start(&sim("{}")).await;
+    let router = Router::with_workers(&[&undisturbed], &[] as &[&str]).await;
+    let (_, _, reference) = router.post("/v1/completions", &request).await;
+    let lp = &reference["choices"][0]["logprobs"];
+    assert_eq!(Value::Array(tokens), lp["tokens"]);
+    assert_eq!(Value::Array(logprobs), lp["token_logprobs"]);
+}
+
 /// Run `request` undisturbed, then streamed while its worker is SIGKILLed mid-way: the client
-/// must see one stream with exactly the undisturbed text, which is returned.
-async fn migrate_mid_stream(request: serde_json::Value) -> String {
+/// must see one stream with exactly the undisturbed text, which is returned with the chunks.
+async fn migrate_mid_stream(request: serde_json::Value) -> (String, Vec<Value>) {
     // 20 ms per step: a 60-token completion takes over a second, time enough to kill its worker.
     let config = r#"{"base_us": 20000}"#;
     let mut workers = [Worker::start(&sim(config)).await, Worker::start(&sim(config)).await];
@@ -133,7 +153,7 @@ async fn migrate_mid_stream(request: serde_json::Value) -> String {
     assert_eq!(usage["completion_tokens"], reference_tokens);
     assert_eq!(usage["prompt_tokens"], 3);
     assert_eq!(router.metric("bellows_router_migrations_total").await, 1.0);
-    text
+    (text, chunks.to_vec())
 }
 
 #[tokio::test]

@@ -83,7 +83,7 @@ async fn completion_logprobs_have_the_legacy_shape_with_running_text_offsets() {
     streamed_body["stream"] = json!(true);
     let response =
         reqwest::Client::new().post(router.url("/v1/completions")).json(&streamed_body).send().await.unwrap();
-    let mut offsets = vec![Vec::new(), Vec::new()];
+    let mut offsets = [Vec::new(), Vec::new()];
     for c in sse(response).await.iter().filter_map(|c| c.get("choices")?.get(0).cloned()) {
         if let Some(o) = c["logprobs"]["text_offset"].as_array() {
             offsets[c["index"].as_u64().unwrap() as usize].extend(o.iter().cloned());

@@ -1,6 +1,7 @@
 """The official OpenAI Python client against a Bellows router, unchanged: chat and text
 completions, streamed and not, usage, structured outputs (`parse` with a Pydantic model,
-json_object), logprobs, and errors surfacing as the client's own exceptions.
+json_object), tool calls (a two-turn round trip, required and named, streamed deltas), logprobs,
+and errors surfacing as the client's own exceptions.
 Run by tests/real_model.rs with BASE_URL and MODEL set; exits non-zero on any mismatch."""
 import os
 import sys
@@ -106,6 +107,72 @@ try:
     sys.exit("an invalid schema must raise")
 except openai.BadRequestError as e:
     assert e.body["param"] == "response_format", e.body
+
+weather_tool = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+time_tool = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]},
+    },
+}
+question = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    first = client.chat.completions.create(
+        model=model, messages=question, tools=[weather_tool, time_tool], tool_choice=choice,
+        parallel_tool_calls=False, max_tokens=80, temperature=0,
+    )
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls", first
+    assert call.type == "function" and call.id.startswith("call_"), call
+    if isinstance(choice, dict):
+        assert call.function.name == "get_weather", call
+    args = json.loads(call.function.arguments)
+    assert isinstance(args.get("city"), str), args
+
+    streamed_calls = {}
+    for chunk in client.chat.completions.create(
+        model=model, messages=question, tools=[weather_tool, time_tool], tool_choice=choice,
+        parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True,
+    ):
+        for c in chunk.choices:
+            assert not c.delta.content, c.delta
+            for t in c.delta.tool_calls or []:
+                entry = streamed_calls.setdefault(t.index, {"name": "", "arguments": ""})
+                entry["name"] += t.function.name or ""
+                entry["arguments"] += t.function.arguments or ""
+    assert streamed_calls == {0: {"name": call.function.name, "arguments": call.function.arguments}}, streamed_calls
+
+    final = client.chat.completions.create(
+        model=model,
+        messages=question + [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+        ],
+        tools=[weather_tool, time_tool],
+        max_tokens=40,
+        temperature=0,
+    )
+    assert final.choices[0].message.content, final
+try:
+    client.chat.completions.create(
+        model=model, messages=question, tools=[weather_tool], tool_choice={"type": "function", "function": {"name": "nope"}}
+    )
+    sys.exit("an unknown tool_choice must raise")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "tool_choice", e.body
 
 scored = client.chat.completions.create(
     model=model,
