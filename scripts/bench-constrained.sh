@@ -7,15 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs="${1:-3}"
-model="$(scripts/fetch-model.sh)"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target}"
-cargo build --release -q -p bellows-worker
-bin="$CARGO_TARGET_DIR/release/bellows-worker"
-if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
-    python3 -m venv .venv
-    .venv/bin/pip install -q llama-cpp-python==0.3.36   # builds llama.cpp from source (~10 min)
-fi
-echo "{\"date\": \"$(date -u +%FT%TZ)\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"cores\": $(nproc)}"
+source scripts/bench-setup.sh
 ours="$("$bin" bench --model "$model" --suite constrained --concurrency 1,16 --repeat "$runs" 2>/dev/null)"
 echo "$ours" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["constrained"]))'
 schema="$(echo "$ours" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["constrained"]["schema"]))')"

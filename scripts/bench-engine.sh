@@ -5,15 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs="${1:-5}"
-model="$(scripts/fetch-model.sh)"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target}"
-cargo build --release -q -p bellows-worker
-bin="$CARGO_TARGET_DIR/release/bellows-worker"
-if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
-    python3 -m venv .venv
-    .venv/bin/pip install -q llama-cpp-python==0.3.36   # builds llama.cpp from source (~10 min)
-fi
-echo "{\"date\": \"$(date -u +%FT%TZ)\", \"cpu\": \"$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)\", \"cores\": $(nproc)}"
+source scripts/bench-setup.sh
 # Single stream, alternating so both see the same machine: greedy, "Once upon a time", 128 tokens.
 ours=(); ref=()
 for _ in $(seq "$runs"); do

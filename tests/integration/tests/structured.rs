@@ -14,6 +14,13 @@ async fn cluster() -> (Vec<Worker>, Router) {
     (vec![a, b], router)
 }
 
+/// A one-turn chat request with these fields added.
+fn chat(max_tokens: u32, extra: Value) -> Value {
+    let mut body = json!({"model": "sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
 fn schema_format(schema: &Value) -> Value {
     json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": true}})
 }
@@ -89,11 +96,7 @@ async fn outputs_of_200_generated_schemas_validate_whole_and_streamed_with_n_cho
 #[tokio::test]
 async fn json_object_regex_and_grammar_constrain_the_answer() {
     let (_workers, router) = cluster().await;
-    let chat = |extra: Value| {
-        let mut body = json!({"model": "sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200});
-        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        body
-    };
+    let chat = |extra: Value| chat(200, extra);
     let (text, finish) =
         answer(&router, "/v1/chat/completions", &chat(json!({"response_format": {"type": "json_object"}})))
             .await
@@ -118,11 +121,7 @@ async fn json_object_regex_and_grammar_constrain_the_answer() {
 #[tokio::test]
 async fn a_bad_constraint_is_a_400_naming_its_field_and_pointer_before_any_worker_is_used() {
     let (_workers, router) = cluster().await;
-    let chat = |extra: Value| {
-        let mut body = json!({"model": "sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5});
-        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-        body
-    };
+    let chat = |extra: Value| chat(5, extra);
     let bad_schema = json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "strin"}}}});
     let cases = [
         (json!({"response_format": schema_format(&bad_schema)}), "response_format", Some("/properties/a/items")),
