@@ -45,6 +45,13 @@ Bellows is up: OpenAI API at http://127.0.0.1:$port/v1 (model "$model", ${#worke
 
   python3 -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:$port/v1", api_key="none"); print(c.chat.completions.create(model="$model", messages=[{"role": "user", "content": "Hi!"}]).choices[0].message.content)'
 
+  Structured output (JSON matching a schema; tools, logprobs: docs/structured-outputs.md):
+  curl http://127.0.0.1:$port/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "$model", "messages": [{"role": "user", "content": "Describe Paris as JSON."}], "max_tokens": 100,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": {"type": "object",
+           "properties": {"name": {"type": "string", "maxLength": 40}, "population": {"type": "integer", "minimum": 0, "maximum": 100000000}},
+           "required": ["name", "population"], "additionalProperties": false}}}}'
+
 Metrics: http://127.0.0.1:$port/metrics (router), each worker on its gRPC port + 1000. Ctrl-C stops the cluster.
 MSG
 wait "${pids[@]}"

@@ -424,6 +424,38 @@ impl Router {
         (status, headers, json)
     }
 
+    /// Each choice's text and finish reason, from a whole or a streamed (`"stream": true`) answer
+    /// of either endpoint; panics on a status other than 200.
+    pub async fn choices(&self, path: &str, body: &serde_json::Value) -> Vec<(String, String)> {
+        let text = |c: &serde_json::Value, key: &str| {
+            c[key]["content"].as_str().or(c["text"].as_str()).unwrap_or("").to_string()
+        };
+        if body["stream"] != true {
+            let (status, _, reply) = self.post(path, body).await;
+            assert_eq!(status, 200, "{reply}");
+            return reply["choices"]
+                .as_array()
+                .expect("choices")
+                .iter()
+                .map(|c| (text(c, "message"), c["finish_reason"].as_str().unwrap_or("").to_string()))
+                .collect();
+        }
+        let response = reqwest::Client::new().post(self.url(path)).json(body).send().await.expect("the router answers");
+        assert_eq!(response.status(), 200);
+        let n = body["n"].as_u64().unwrap_or(1) as usize;
+        let mut out = vec![(String::new(), String::new()); n];
+        for chunk in sse(response).await.iter().filter(|e| e.is_object()) {
+            for c in chunk["choices"].as_array().expect("choices") {
+                let i = c["index"].as_u64().expect("index") as usize;
+                out[i].0 += &text(c, "delta");
+                if let Some(f) = c["finish_reason"].as_str() {
+                    out[i].1 = f.to_string();
+                }
+            }
+        }
+        out
+    }
+
     pub async fn get(&self, path: &str) -> (u16, serde_json::Value) {
         let r = reqwest::get(self.url(path)).await.expect("the router answers");
         let status = r.status().as_u16();

@@ -1,7 +1,7 @@
 //! Structured outputs through the whole cluster: `response_format` and the `guided_*` fields over
 //! HTTP, the router's schema check, and simulated workers that mask their tokens by the grammar.
 
-use bellows_integration::{Router, Worker, schemas, sim, sse};
+use bellows_integration::{Router, Worker, schemas, sim};
 use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
 
@@ -25,35 +25,6 @@ fn schema_format(schema: &Value) -> Value {
     json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": true}})
 }
 
-/// The texts and finish reasons of every choice of a whole or streamed answer.
-async fn answer(router: &Router, path: &str, body: &Value) -> Vec<(String, String)> {
-    let content = |c: &Value, key: &str| c[key]["content"].as_str().or(c["text"].as_str()).unwrap_or("").to_string();
-    if body["stream"] != true {
-        let (status, _, reply) = router.post(path, body).await;
-        assert_eq!(status, 200, "{reply}");
-        return reply["choices"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| (content(c, "message"), c["finish_reason"].as_str().unwrap().to_string()))
-            .collect();
-    }
-    let response = reqwest::Client::new().post(router.url(path)).json(body).send().await.unwrap();
-    assert_eq!(response.status(), 200);
-    let n = body["n"].as_u64().unwrap_or(1) as usize;
-    let mut out = vec![(String::new(), String::new()); n];
-    for chunk in sse(response).await.iter().filter(|e| e.is_object()) {
-        for c in chunk["choices"].as_array().unwrap() {
-            let i = c["index"].as_u64().unwrap() as usize;
-            out[i].0 += &content(c, "delta");
-            if let Some(f) = c["finish_reason"].as_str() {
-                out[i].1 = f.to_string();
-            }
-        }
-    }
-    out
-}
-
 #[tokio::test]
 async fn outputs_of_200_generated_schemas_validate_whole_and_streamed_with_n_choices() {
     let (_workers, router) = cluster().await;
@@ -74,7 +45,7 @@ async fn outputs_of_200_generated_schemas_validate_whole_and_streamed_with_n_cho
                 body["guided_json"] = schema.clone();
                 "/v1/completions"
             };
-            (i, answer(router, path, &body).await)
+            (i, router.choices(path, &body).await)
         })
         .buffer_unordered(8)
         .collect()
@@ -97,24 +68,24 @@ async fn outputs_of_200_generated_schemas_validate_whole_and_streamed_with_n_cho
 async fn json_object_regex_and_grammar_constrain_the_answer() {
     let (_workers, router) = cluster().await;
     let chat = |extra: Value| chat(200, extra);
-    let (text, finish) =
-        answer(&router, "/v1/chat/completions", &chat(json!({"response_format": {"type": "json_object"}})))
-            .await
-            .remove(0);
+    let (text, finish) = router
+        .choices("/v1/chat/completions", &chat(json!({"response_format": {"type": "json_object"}})))
+        .await
+        .remove(0);
     if finish == "stop" {
         assert!(serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{e}: {text}")).is_object());
     }
     let (text, finish) =
-        answer(&router, "/v1/chat/completions", &chat(json!({"guided_regex": "(cat|dog)-[0-9]{2}"}))).await.remove(0);
+        router.choices("/v1/chat/completions", &chat(json!({"guided_regex": "(cat|dog)-[0-9]{2}"}))).await.remove(0);
     assert_eq!(finish, "stop");
     assert!(text.len() == 6 && (text.starts_with("cat-") || text.starts_with("dog-")), "{text:?}");
     let lark = "start: \"<\" word (\" \" word)* \">\"\nword: /[a-z]{1,5}/";
     let (text, finish) =
-        answer(&router, "/v1/chat/completions", &chat(json!({"guided_grammar": lark, "stream": true}))).await.remove(0);
+        router.choices("/v1/chat/completions", &chat(json!({"guided_grammar": lark, "stream": true}))).await.remove(0);
     assert_eq!(finish, "stop");
     assert!(text.starts_with('<') && text.ends_with('>'), "{text:?}");
     let (text, _) =
-        answer(&router, "/v1/chat/completions", &chat(json!({"response_format": {"type": "text"}}))).await.remove(0);
+        router.choices("/v1/chat/completions", &chat(json!({"response_format": {"type": "text"}}))).await.remove(0);
     assert!(text.starts_with(" t"), "text is free: {text:?}");
 }
 
