@@ -10,7 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target}"
-cargo build --release -p bellows-worker -p bellows-router
+# The same build as scripts/test.sh: -p and --workspace builds unify features differently, and
+# a different set would rebuild the dependencies.
+cargo build --release --workspace --bins
 bin="$CARGO_TARGET_DIR/release"
 port="${BELLOWS_PORT:-8080}"
 model="${BELLOWS_MODEL_ID:-SmolLM2-135M-Instruct}"

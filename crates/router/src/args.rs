@@ -4,33 +4,9 @@
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use bellows_common::{duration::parse_duration, telemetry::LogFormat};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 
-/// How a request picks its worker among those serving its model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-#[value(rename_all = "snake_case")]
-pub enum PolicyKind {
-    /// Prefer the worker that already holds the prompt's leading KV blocks, unless its queue
-    /// costs more than prefilling elsewhere.
-    CacheAware,
-    /// Each worker in turn.
-    RoundRobin,
-    /// The worker with the least queued work.
-    LeastLoad,
-    /// The less loaded of two workers drawn at random.
-    PowerOfTwo,
-}
-
-impl PolicyKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PolicyKind::CacheAware => "cache_aware",
-            PolicyKind::RoundRobin => "round_robin",
-            PolicyKind::LeastLoad => "least_load",
-            PolicyKind::PowerOfTwo => "power_of_two",
-        }
-    }
-}
+use crate::placement::PolicyKind;
 
 #[derive(Debug, Clone, Parser)]
 #[command(name = "bellows-router", version, about = "OpenAI-compatible gateway in front of Bellows workers")]
@@ -45,9 +21,9 @@ pub struct RouterArgs {
     /// Cluster name: workers are found under /bellows/<cluster>/workers/.
     #[arg(long, env = "BELLOWS_CLUSTER", default_value = "default")]
     pub cluster: String,
-    /// Static workers (host:port of their gRPC endpoint, comma separated), for a cluster without
-    /// etcd. May be combined with etcd.
-    #[arg(long, env = "BELLOWS_WORKERS", value_delimiter = ',')]
+    /// Static workers (`host:port` or `http://host:port` of their gRPC endpoint, comma separated),
+    /// for a cluster without etcd. May be combined with etcd. A malformed entry is refused at start.
+    #[arg(long, env = "BELLOWS_WORKERS", value_delimiter = ',', value_parser = parse_worker_address)]
     pub workers: Vec<String>,
     /// How requests are placed on workers.
     #[arg(long, env = "BELLOWS_POLICY", value_enum, default_value_t = PolicyKind::CacheAware)]
@@ -122,6 +98,65 @@ impl RouterArgs {
     }
 }
 
+/// A worker's gRPC address as `host:port`, from `host:port` or `http://host:port` (what every
+/// peer router takes). Refused: another scheme, a path, a missing host, a port that is not 1-65535.
+/// Empty stays empty (an unset environment variable), and is dropped later.
+fn parse_worker_address(raw: &str) -> Result<String, String> {
+    let raw = raw.trim();
+    if raw.is_empty() {
+        return Ok(String::new());
+    }
+    let rest = match raw.split_once("://") {
+        Some(("http", rest)) => rest,
+        Some((scheme, _)) => {
+            return Err(format!("{raw:?}: only http:// worker addresses are supported, not {scheme}://"));
+        }
+        None => raw,
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('/') {
+        return Err(format!("{raw:?}: a worker address is host:port, without a path"));
+    }
+    let Some((host, port)) = rest.rsplit_once(':') else {
+        return Err(format!("{raw:?}: a worker address is host:port (the port is missing)"));
+    };
+    if host.is_empty() || host.contains(char::is_whitespace) {
+        return Err(format!("{raw:?}: the host is missing or malformed"));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(format!("{host}:{p}")),
+        _ => Err(format!("{raw:?}: the port must be a number from 1 to 65535")),
+    }
+}
+
 fn non_empty(items: &[String]) -> Vec<String> {
     items.iter().map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_worker_address;
+
+    #[test]
+    fn worker_addresses_take_an_http_url_or_host_port_and_refuse_the_malformed_at_start() {
+        assert_eq!(parse_worker_address("http://10.0.0.5:50051").as_deref(), Ok("10.0.0.5:50051"));
+        assert_eq!(parse_worker_address("http://worker-0:50051/").as_deref(), Ok("worker-0:50051"));
+        assert_eq!(parse_worker_address(" worker-0:50051 ").as_deref(), Ok("worker-0:50051"));
+        assert_eq!(parse_worker_address("[::1]:50051").as_deref(), Ok("[::1]:50051"));
+        assert_eq!(parse_worker_address("").as_deref(), Ok(""));
+        for bad in ["https://w:1", "w", "w:0", "w:99999", ":50051", "http://w:1/v1", "grpc://w:1"] {
+            let e = parse_worker_address(bad).expect_err(bad);
+            assert!(e.contains(bad), "{bad}: the message names the entry: {e}");
+        }
+    }
+
+    #[test]
+    fn a_malformed_worker_list_stops_the_router_before_it_starts() {
+        use clap::Parser;
+        let e = super::RouterArgs::try_parse_from(["bellows-router", "--workers", "127.0.0.1:1,nope"]).unwrap_err();
+        assert!(e.to_string().contains("nope"), "{e}");
+        let ok = super::RouterArgs::try_parse_from(["bellows-router", "--workers", "http://127.0.0.1:1,127.0.0.1:2"])
+            .unwrap();
+        assert_eq!(ok.static_workers(), ["127.0.0.1:1", "127.0.0.1:2"]);
+    }
 }

@@ -190,6 +190,9 @@ async fn every_bad_request_gets_its_status_and_an_openai_error_body() {
     let message = b["error"]["message"].as_str().unwrap();
     assert!(message.contains("8192") && message.contains("8500"), "names the context and the request: {message}");
     assert_eq!(b["error"]["code"], "context_length_exceeded");
+    let (s, _, b) = router.post("/v1/chat/completions", &chat(&"x ".repeat(8200), json!({"max_tokens": 500}))).await;
+    check(s, &b, 400, Some("messages"));
+    assert_eq!(b["error"]["code"], "context_length_exceeded");
     let (s, _, b) = router.post("/v1/embeddings", &json!({})).await;
     check(s, &b, 404, None);
 

@@ -112,11 +112,12 @@ pub struct Job {
 }
 
 impl Job {
-    /// The parameter a prompt-length error names.
+    /// The parameter a prompt-length error names. By endpoint, not by `input`: the input is
+    /// moved out for tokenization before the prompt is checked against the model.
     pub fn prompt_param(&self) -> &'static str {
-        match self.input {
-            Input::Chat(_) => "messages",
-            Input::Prompts(_) => "prompt",
+        match self.endpoint {
+            Endpoint::ChatCompletions => "messages",
+            Endpoint::Completions => "prompt",
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod discovery;
 pub mod link;
 pub mod peers;
 pub mod pool;
+pub mod prefix_index;
 
 use std::{
     collections::HashMap,

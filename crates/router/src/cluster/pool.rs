@@ -7,7 +7,8 @@ use bellows_common::prefix_hash::{BlockHash, ChainRoot, prefix_block_hashes};
 use bellows_proto::worker::v1 as pb;
 
 use super::link::WorkerLink;
-use crate::{placement::prefix_index::PrefixIndex, tokenize::PromptTokenizer};
+use super::prefix_index::PrefixIndex;
+use crate::tokenize::PromptTokenizer;
 
 pub struct ModelPool {
     pub name: String,

@@ -26,8 +26,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use super::PolicyKind;
 use super::{Candidate, Policy, PromptShape, lowest, score};
-use crate::args::PolicyKind;
 
 /// How far past the mean queue an eligible worker may be (plus one prompt).
 pub const SPILL_FACTOR: f64 = 1.25;

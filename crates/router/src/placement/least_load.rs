@@ -3,8 +3,8 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::PolicyKind;
 use super::{Candidate, Policy, PromptShape, lowest, score};
-use crate::args::PolicyKind;
 
 #[derive(Default)]
 pub struct LeastLoad {

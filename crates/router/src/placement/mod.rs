@@ -8,7 +8,6 @@
 pub mod cache_aware;
 pub mod least_load;
 pub mod power_of_two;
-pub mod prefix_index;
 pub mod round_robin;
 pub mod score;
 
@@ -19,10 +18,33 @@ use std::{
 
 use bellows_common::prefix_hash::BlockHash;
 
-use crate::{
-    args::PolicyKind,
-    cluster::{Load, ModelPool, WorkerId, WorkerLink},
-};
+use crate::cluster::{Load, ModelPool, WorkerId, WorkerLink};
+
+/// How a request picks its worker among those serving its model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum PolicyKind {
+    /// Prefer the worker that already holds the prompt's leading KV blocks, unless its queue
+    /// costs more than prefilling elsewhere.
+    CacheAware,
+    /// Each worker in turn.
+    RoundRobin,
+    /// The worker with the least queued work.
+    LeastLoad,
+    /// The less loaded of two workers drawn at random.
+    PowerOfTwo,
+}
+
+impl PolicyKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::CacheAware => "cache_aware",
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::LeastLoad => "least_load",
+            PolicyKind::PowerOfTwo => "power_of_two",
+        }
+    }
+}
 
 /// A worker that could take the request.
 #[derive(Debug, Clone)]

@@ -4,8 +4,8 @@
 
 use rand::Rng;
 
+use super::PolicyKind;
 use super::{Candidate, Policy, PromptShape, score};
-use crate::args::PolicyKind;
 
 pub struct PowerOfTwo;
 

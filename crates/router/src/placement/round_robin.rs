@@ -2,8 +2,8 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::PolicyKind;
 use super::{Candidate, Policy, PromptShape};
-use crate::args::PolicyKind;
 
 #[derive(Default)]
 pub struct RoundRobin {

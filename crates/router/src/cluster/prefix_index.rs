@@ -13,7 +13,7 @@ use std::{
 
 use bellows_common::prefix_hash::BlockHash;
 
-use crate::cluster::WorkerId;
+use super::WorkerId;
 
 #[derive(Debug, Clone, Copy)]
 struct Holder {
