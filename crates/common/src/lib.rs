@@ -6,4 +6,5 @@ pub mod cluster;
 pub mod constraint;
 pub mod duration;
 pub mod prefix_hash;
+pub mod sampling_limits;
 pub mod telemetry;

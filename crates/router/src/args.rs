@@ -18,7 +18,7 @@ pub struct RouterArgs {
     /// watching their registrations.
     #[arg(long, env = "BELLOWS_ETCD_ENDPOINTS", value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
-    /// Cluster name: workers are found under /bellows/<cluster>/workers/.
+    /// Cluster name: workers are found under `/bellows/<cluster>/workers/`.
     #[arg(long, env = "BELLOWS_CLUSTER", default_value = "default")]
     pub cluster: String,
     /// Static workers (`host:port` or `http://host:port` of their gRPC endpoint, comma separated),
@@ -79,7 +79,7 @@ pub struct RouterArgs {
     #[arg(long, env = "BELLOWS_FAIR_QUEUE_DEPTH", default_value_t = 64)]
     pub fair_queue_depth: usize,
     /// This router's id in etcd (routers register so each knows its share of tenant limits)
-    /// [default: <hostname>-<port>].
+    /// (default: `<hostname>-<port>`).
     #[arg(long, env = "BELLOWS_ROUTER_ID")]
     pub router_id: Option<String>,
     /// Record prompt and completion text on trace spans (off: spans never carry text).

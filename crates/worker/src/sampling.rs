@@ -54,31 +54,24 @@ impl SamplingParams {
 
     /// Check every parameter's range; the error names the parameter.
     pub fn validate(&self, vocab_size: usize) -> Result<(), (&'static str, String)> {
-        let bad = |p, m: &str| Err((p, m.to_string()));
-        if !(0.0..=2.0).contains(&self.temperature) {
-            return bad("temperature", "must be between 0 and 2");
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad("top_p", "must be in (0, 1]");
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return bad("min_p", "must be between 0 and 1");
-        }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
-            return bad("repetition_penalty", "must be in (0, 10]");
-        }
-        if !(-2.0..=2.0).contains(&self.presence_penalty) {
-            return bad("presence_penalty", "must be between -2 and 2");
-        }
-        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
-            return bad("frequency_penalty", "must be between -2 and 2");
+        use bellows_common::sampling_limits as limits;
+        let checks = [
+            ("temperature", self.temperature, limits::TEMPERATURE),
+            ("top_p", self.top_p, limits::TOP_P),
+            ("min_p", self.min_p, limits::MIN_P),
+            ("repetition_penalty", self.repetition_penalty, limits::REPETITION_PENALTY),
+            ("presence_penalty", self.presence_penalty, limits::PRESENCE_PENALTY),
+            ("frequency_penalty", self.frequency_penalty, limits::FREQUENCY_PENALTY),
+        ];
+        if let Some((param, _, range)) = checks.iter().find(|(_, v, range)| !range.contains(*v)) {
+            return Err((param, format!("must be in {range}")));
         }
         for &(t, b) in &self.logit_bias {
             if t as usize >= vocab_size {
                 return Err(("logit_bias", format!("token id {t} is outside the vocabulary ({vocab_size})")));
             }
-            if !(-100.0..=100.0).contains(&b) {
-                return bad("logit_bias", "bias values must be between -100 and 100");
+            if !limits::LOGIT_BIAS.contains(b) {
+                return Err(("logit_bias", format!("bias values must be in {}", limits::LOGIT_BIAS)));
             }
         }
         Ok(())

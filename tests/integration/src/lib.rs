@@ -19,7 +19,7 @@ use tempfile::TempDir;
 use tonic::transport::Channel;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
-/// Processes that find their port taken (see [`Process::lost_its_port`]) are started this many
+/// Processes that find their port taken (see `Process::lost_its_port`) are started this many
 /// times, each on a fresh port.
 const START_ATTEMPTS: usize = 3;
 
@@ -73,7 +73,7 @@ pub struct Etcd {
 
 impl Etcd {
     /// Start a member on fresh ports; one that lost a port to another test (see
-    /// [`Process::lost_its_port`]) is started again on others.
+    /// `Process::lost_its_port`) is started again on others.
     pub async fn start() -> Etcd {
         let mut e =
             Etcd { dir: TempDir::new().unwrap(), client_port: free_port(), peer_port: free_port(), child: None };

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use bellows_common::{
     chat_template::ChatMessage,
     constraint::{Constraint, SchemaError},
+    sampling_limits::{self as limits, Range},
 };
 use bellows_proto::worker::v1 as pb;
 use serde::Deserialize;
@@ -256,23 +257,18 @@ fn validate(endpoint: Endpoint, raw: RawRequest) -> Result<Job, ApiError> {
     }
 
     let sampling = pb::SamplingParams {
-        temperature: in_range(raw.temperature, "temperature", 0.0, 2.0, true)?,
-        top_p: in_range(raw.top_p, "top_p", 0.0, 1.0, false)?,
+        temperature: in_range(raw.temperature, "temperature", limits::TEMPERATURE)?,
+        top_p: in_range(raw.top_p, "top_p", limits::TOP_P)?,
         // -1 means off, as in vLLM.
         top_k: match raw.top_k {
             None | Some(-1) | Some(0) => None,
             Some(k) if k > 0 => Some(k as u32),
             Some(_) => return Err(ApiError::invalid("top_k", "'top_k' must be -1 (off), 0 (off) or positive")),
         },
-        min_p: in_range(raw.min_p, "min_p", 0.0, 1.0, true)?,
-        repetition_penalty: match raw.repetition_penalty {
-            Some(r) if !(r > 0.0 && r <= 10.0) => {
-                return Err(ApiError::invalid("repetition_penalty", "'repetition_penalty' must be in (0, 10]"));
-            }
-            r => r,
-        },
-        presence_penalty: in_range(raw.presence_penalty, "presence_penalty", -2.0, 2.0, true)?,
-        frequency_penalty: in_range(raw.frequency_penalty, "frequency_penalty", -2.0, 2.0, true)?,
+        min_p: in_range(raw.min_p, "min_p", limits::MIN_P)?,
+        repetition_penalty: in_range(raw.repetition_penalty, "repetition_penalty", limits::REPETITION_PENALTY)?,
+        presence_penalty: in_range(raw.presence_penalty, "presence_penalty", limits::PRESENCE_PENALTY)?,
+        frequency_penalty: in_range(raw.frequency_penalty, "frequency_penalty", limits::FREQUENCY_PENALTY)?,
         logit_bias: logit_bias(raw.logit_bias.unwrap_or_default())?,
         seed: raw.seed.map(|s| s as u64),
     };
@@ -432,12 +428,11 @@ fn unsupported(bad: bool, param: &str, message: &str) -> Result<(), ApiError> {
     if bad { Err(ApiError::invalid(param, message)) } else { Ok(()) }
 }
 
-/// `lo <= x <= hi`, or `lo < x <= hi` when the low end is open. NaN is never in range.
-fn in_range(x: Option<f32>, param: &str, lo: f32, hi: f32, lo_closed: bool) -> Result<Option<f32>, ApiError> {
+/// `x` within the parameter's range (shared with the worker). NaN is never in range.
+fn in_range(x: Option<f32>, param: &str, range: Range) -> Result<Option<f32>, ApiError> {
     match x {
-        Some(v) if !((if lo_closed { v >= lo } else { v > lo }) && v <= hi) => {
-            let open = if lo_closed { "[" } else { "(" };
-            Err(ApiError::invalid(param, format!("'{param}' must be in {open}{lo}, {hi}], got {v}")))
+        Some(v) if !range.contains(v) => {
+            Err(ApiError::invalid(param, format!("'{param}' must be in {range}, got {v}")))
         }
         other => Ok(other),
     }
@@ -449,10 +444,10 @@ fn logit_bias(raw: HashMap<String, f32>) -> Result<HashMap<u32, f32>, ApiError> 
             let id = k.parse::<u32>().map_err(|_| {
                 ApiError::invalid("logit_bias", format!("'logit_bias' keys must be token ids, got {k:?}"))
             })?;
-            if !(-100.0..=100.0).contains(&v) {
+            if !limits::LOGIT_BIAS.contains(v) {
                 return Err(ApiError::invalid(
                     "logit_bias",
-                    format!("'logit_bias' values must be in [-100, 100], got {v}"),
+                    format!("'logit_bias' values must be in {}, got {v}", limits::LOGIT_BIAS),
                 ));
             }
             Ok((id, v))

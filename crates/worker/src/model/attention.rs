@@ -15,9 +15,9 @@ const PARALLEL_MIN_WORK: usize = 1 << 18;
 /// How the model pairs dimensions for rotary embedding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopeStyle {
-    /// Adjacent pairs (x[2i], x[2i+1]): GGUF llama (weights were permuted at conversion).
+    /// Adjacent pairs (`x[2i]`, `x[2i+1]`): GGUF llama (weights were permuted at conversion).
     Interleaved,
-    /// Halves (x[i], x[i + d/2]): GGUF qwen2 (GPT-NeoX style).
+    /// Halves (`x[i]`, `x[i + d/2]`): GGUF qwen2 (GPT-NeoX style).
     Halves,
 }
 

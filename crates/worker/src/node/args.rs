@@ -50,10 +50,10 @@ pub struct ServeArgs {
     /// etcd endpoints, comma separated (e.g. http://etcd:2379). None: the node does not register.
     #[arg(long, env = "BELLOWS_ETCD_ENDPOINTS", value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
-    /// Cluster name: the node registers under /bellows/<cluster>/workers/.
+    /// Cluster name: the node registers under `/bellows/<cluster>/workers/`.
     #[arg(long, env = "BELLOWS_CLUSTER", default_value = "default")]
     pub cluster: String,
-    /// This node's id in the cluster [default: <hostname>-<port>].
+    /// This node's id in the cluster (default: `<hostname>-<port>`).
     #[arg(long, env = "BELLOWS_NODE_ID")]
     pub node_id: Option<String>,
     /// TTL of the etcd lease behind the registration: a node that dies disappears after this
