@@ -23,8 +23,6 @@ use bellows_proto::worker::v1 as pb;
 use tokio::sync::oneshot;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::api::error::ApiError;
-
 type Task = Box<dyn FnOnce() + Send>;
 
 /// The tokenizer threads and their bounded queue.
@@ -128,7 +126,7 @@ impl PromptTokenizer {
     /// Render the conversation with the chat template (ending with the assistant's turn) and
     /// tokenize it; the template writes any BOS itself. Tools reach the prompt as
     /// [`tools::prompt`] decides.
-    pub fn encode_chat(&self, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
+    pub fn encode_chat(&self, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<Vec<u32>, TokenizeError> {
         let renders_tools = self.template().is_some_and(ChatTemplate::renders_tools);
         let (messages, tools) = tools::prompt::conversation(messages, tools, renders_tools);
         let messages = &messages[..];
@@ -136,12 +134,10 @@ impl PromptTokenizer {
             PromptTokenizer::Model { template: Some(t), tokenizer } => {
                 let text = t
                     .render_with_tools(messages, true, tools.as_deref())
-                    .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+                    .map_err(|e| TokenizeError::Template(e.to_string()))?;
                 encode(tokenizer, &text, false)
             }
-            PromptTokenizer::Model { template: None, .. } => {
-                Err(ApiError::invalid("messages", "this model has no chat template; use /v1/completions with a prompt"))
-            }
+            PromptTokenizer::Model { template: None, .. } => Err(TokenizeError::NoChatTemplate),
             PromptTokenizer::Sim { vocab_size } => {
                 let text: String = messages.iter().map(|m| format!("{} {}\n", m.role, m.content)).collect();
                 Ok(sim_encode(&text, *vocab_size))
@@ -150,7 +146,7 @@ impl PromptTokenizer {
     }
 
     /// Tokenize a completion prompt, with BOS when the model wants one.
-    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         match self {
             PromptTokenizer::Model { tokenizer, .. } => encode(tokenizer, text, true),
             PromptTokenizer::Sim { vocab_size } => Ok(sim_encode(text, *vocab_size)),
@@ -158,10 +154,23 @@ impl PromptTokenizer {
     }
 }
 
-fn encode(tokenizer: &tokenizers::Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ApiError> {
-    tokenizer.encode_fast(text, add_special_tokens).map(|e| e.get_ids().to_vec()).map_err(|e| {
-        ApiError::InvalidRequest { message: format!("the prompt could not be tokenized: {e}"), param: None }
-    })
+/// Why a prompt could not become token ids (the HTTP layer decides what a client sees).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenizeError {
+    /// The chat template rejected the conversation, or could not render it.
+    #[error("{0}")]
+    Template(String),
+    #[error("this model has no chat template; use /v1/completions with a prompt")]
+    NoChatTemplate,
+    #[error("the prompt could not be tokenized: {0}")]
+    Encode(String),
+}
+
+fn encode(tokenizer: &tokenizers::Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+    tokenizer
+        .encode_fast(text, add_special_tokens)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| TokenizeError::Encode(e.to_string()))
 }
 
 fn sim_encode(text: &str, vocab_size: u32) -> Vec<u32> {

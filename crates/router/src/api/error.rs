@@ -14,7 +14,7 @@ use axum::{
 };
 use serde::Serialize;
 
-use crate::tenants::LimitError;
+use crate::{tenants::LimitError, tokenize::TokenizeError};
 
 /// Why the cluster could not take a request now (503). A bounded set: also a metrics label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +94,15 @@ pub enum ApiError {
     /// (400), or a rate or concurrency limit (429 with Retry-After).
     #[error("{0}")]
     Limited(#[from] LimitError),
+}
+
+impl From<TokenizeError> for ApiError {
+    fn from(e: TokenizeError) -> Self {
+        match e {
+            TokenizeError::Template(_) | TokenizeError::NoChatTemplate => ApiError::invalid("messages", e.to_string()),
+            TokenizeError::Encode(_) => ApiError::InvalidRequest { message: e.to_string(), param: None },
+        }
+    }
 }
 
 impl ApiError {

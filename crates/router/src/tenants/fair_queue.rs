@@ -26,7 +26,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use axum::http::StatusCode;
 use tokio::sync::oneshot;
 
 use super::config::Tenant;
@@ -63,34 +62,9 @@ pub enum QueueRejection {
 }
 
 impl QueueRejection {
-    pub fn status(&self) -> StatusCode {
-        StatusCode::SERVICE_UNAVAILABLE
-    }
-
     pub fn retry_after(&self) -> Duration {
         match self {
             QueueRejection::Full { retry_after } | QueueRejection::Timeout { retry_after } => *retry_after,
-        }
-    }
-
-    /// A bounded label for metrics and accounting (also the error `code`).
-    pub fn reason(&self) -> &'static str {
-        match self {
-            QueueRejection::Full { .. } => "tenant_queue_full",
-            QueueRejection::Timeout { .. } => "tenant_queue_timeout",
-        }
-    }
-
-    pub fn message(&self) -> &'static str {
-        match self {
-            QueueRejection::Full { .. } => {
-                "The cluster is at capacity and this API key already has the most requests waiting that it may; \
-                 retry after the time in Retry-After."
-            }
-            QueueRejection::Timeout { .. } => {
-                "The cluster stayed at capacity for as long as a request may wait; retry after the time in \
-                 Retry-After."
-            }
         }
     }
 }
@@ -561,7 +535,6 @@ mod tests {
         until_queued(&q, 2).await;
         let e = q.wait_turn(&tenant("a", 1.0), 1).await.unwrap_err();
         assert!(matches!(e, QueueRejection::Full { .. }));
-        assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert!(e.retry_after() >= Duration::from_secs(1));
         let other = tokio::spawn({
             let q = q.clone();
@@ -584,7 +557,6 @@ mod tests {
         assert!(matches!(e, QueueRejection::Timeout { .. }), "{e:?}");
         assert!(started.elapsed() >= Duration::from_millis(50));
         assert_eq!(q.queued(), 0);
-        assert_eq!(e.reason(), "tenant_queue_timeout");
     }
 
     #[tokio::test]
