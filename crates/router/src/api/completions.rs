@@ -33,6 +33,7 @@ use super::{
     tool_request,
 };
 use crate::{
+    admission::Ticket,
     cluster::ModelPool,
     dispatch::{Choice, ChoiceEvent},
     metrics::{Latencies, ReasonLabels, RequestLabels},
@@ -137,39 +138,8 @@ async fn complete(
     let tenant = state.tenants.authenticate(authorization).map_err(|_| ApiError::Unauthorized)?;
     span.record("bellows.tenant", tenant.name.as_str());
     who.tenant = Some(tenant.clone());
-    // Without fair sharing, the cap refuses at once, before the body is read. With it, the
-    // request queues for its fair share of the room below the cap (after tokenization, which
-    // gives its cost).
-    let mut ticket = if state.fair_queue.is_none() {
-        let queue = state.cluster.queue();
-        let admitted = state.admission.admit(queue);
-        tracing::info_span!(
-            "admission",
-            bellows.waiting_requests = queue.waiting_requests,
-            bellows.max_waiting = state.admission.max_waiting,
-            bellows.admitted = admitted.is_ok(),
-        )
-        .in_scope(|| {});
-        match admitted {
-            Ok(ticket) => Some(ticket),
-            Err(retry_after) => return Err(ApiError::Overloaded { reason: Overload::QueueFull, retry_after }),
-        }
-    } else {
-        None
-    };
-    let limit = state.max_body_bytes;
-    let declared =
-        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return Err(ApiError::BodyTooLarge { limit });
-    }
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
-        if is_length_limit(&e) {
-            ApiError::BodyTooLarge { limit }
-        } else {
-            ApiError::InvalidRequest { message: format!("could not read the request body: {e}"), param: None }
-        }
-    })?;
+    let ticket = admit_at_cap(state)?;
+    let bytes = read_body(state, headers, body).await?;
     let mut job = request::parse(endpoint, &bytes)?;
     span.record("gen_ai.request.model", job.model.as_str());
     if let Some(m) = job.params.max_tokens {
@@ -245,28 +215,8 @@ async fn complete(
     let id = new_id(endpoint);
     span.record("gen_ai.response.id", id.as_str());
     span.record("bellows.request_id", id.as_str());
-    let (tx, rx) = mpsc::channel(64);
+    let rx = spawn_choices(state, &pool, &job, &tokenized, &id, &cache_salt, ticket, span);
     let n = job.n;
-    for (p, prompt) in tokenized.iter().enumerate() {
-        for j in 0..n {
-            let mut params = job.params.clone();
-            // Choices of one seeded request must differ from each other, and still repeat.
-            params.sampling.seed = params.sampling.seed.map(|s| s.wrapping_add(u64::from(j)));
-            let choice = Choice {
-                index: p as u32 * n + j,
-                request_id: id.clone(),
-                prompt: prompt.tokens.clone(),
-                hashes: prompt.hashes.clone(),
-                params,
-                cache_salt: cache_salt.clone(),
-                stream: job.stream,
-                ticket: ticket.take(),
-                span: span.clone(),
-            };
-            state.dispatcher.spawn(pool.clone(), choice, tx.clone());
-        }
-    }
-    drop(tx);
     let choices = tokenized.len() * n as usize;
     let reply = Reply {
         endpoint,
@@ -284,6 +234,82 @@ async fn complete(
         accounting: Accounting { limits, usage, turn },
     };
     if job.stream { reply.stream(rx, job.include_usage).await } else { reply.whole(rx).await }
+}
+
+/// One dispatch task per choice (`n` per prompt), all answering on one channel. The first
+/// choice carries the request's admission ticket; a seeded request's choices get consecutive
+/// seeds, so they differ from each other and still repeat.
+#[allow(clippy::too_many_arguments)]
+fn spawn_choices(
+    state: &AppState,
+    pool: &Arc<ModelPool>,
+    job: &Job,
+    tokenized: &[Tokenized],
+    id: &str,
+    cache_salt: &Option<String>,
+    mut ticket: Option<Ticket>,
+    span: &Span,
+) -> mpsc::Receiver<ChoiceEvent> {
+    let (tx, rx) = mpsc::channel(64);
+    let n = job.n;
+    for (p, prompt) in tokenized.iter().enumerate() {
+        for j in 0..n {
+            let mut params = job.params.clone();
+            params.sampling.seed = params.sampling.seed.map(|s| s.wrapping_add(u64::from(j)));
+            let choice = Choice {
+                index: p as u32 * n + j,
+                request_id: id.to_string(),
+                prompt: prompt.tokens.clone(),
+                hashes: prompt.hashes.clone(),
+                params,
+                cache_salt: cache_salt.clone(),
+                stream: job.stream,
+                ticket: ticket.take(),
+                span: span.clone(),
+            };
+            state.dispatcher.spawn(pool.clone(), choice, tx.clone());
+        }
+    }
+    rx
+}
+
+/// Without fair sharing, the global cap refuses at once, before the body is read; the ticket
+/// holds the request's place under it. With fair sharing there is no ticket here: the request
+/// queues for its fair share later, once tokenization gives its cost.
+fn admit_at_cap(state: &AppState) -> Result<Option<Ticket>, ApiError> {
+    if state.fair_queue.is_some() {
+        return Ok(None);
+    }
+    let queue = state.cluster.queue();
+    let admitted = state.admission.admit(queue);
+    tracing::info_span!(
+        "admission",
+        bellows.waiting_requests = queue.waiting_requests,
+        bellows.max_waiting = state.admission.max_waiting,
+        bellows.admitted = admitted.is_ok(),
+    )
+    .in_scope(|| {});
+    match admitted {
+        Ok(ticket) => Ok(Some(ticket)),
+        Err(retry_after) => Err(ApiError::Overloaded { reason: Overload::QueueFull, retry_after }),
+    }
+}
+
+/// The body, at most `--max-body-bytes` (a declared length over it is refused before reading).
+async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<axum::body::Bytes, ApiError> {
+    let limit = state.max_body_bytes;
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        if is_length_limit(&e) {
+            ApiError::BodyTooLarge { limit }
+        } else {
+            ApiError::InvalidRequest { message: format!("could not read the request body: {e}"), param: None }
+        }
+    })
 }
 
 /// A forced tool call becomes the request's constraint; then every constraint and every tool's
