@@ -44,6 +44,8 @@ pub struct ChatTemplateError(String);
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
+    /// The template reads a `tools` variable (decided once: every chat request asks).
+    renders_tools: bool,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -62,6 +64,7 @@ impl ChatTemplate {
         Ok(Self {
             env,
             source: source.to_owned(),
+            renders_tools: source.contains("tools"),
             bos_token: bos_token.map(str::to_owned),
             eos_token: eos_token.map(str::to_owned),
         })
@@ -73,7 +76,7 @@ impl ChatTemplate {
 
     /// The template renders function tools itself (it reads a `tools` variable).
     pub fn renders_tools(&self) -> bool {
-        self.source.contains("tools")
+        self.renders_tools
     }
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatTemplateError> {

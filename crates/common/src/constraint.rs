@@ -81,16 +81,6 @@ impl Constraint {
         };
         Err(SchemaError { message: e.0, pointer })
     }
-
-    /// Which request field a user wrote this in, for error messages.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Constraint::JsonObject => "json_object",
-            Constraint::JsonSchema(_) => "json_schema",
-            Constraint::Regex(_) => "regex",
-            Constraint::Lark(_) => "grammar",
-        }
-    }
 }
 
 /// JSON on one line, with `", "` and `": "` between items (as Python's `json.dumps` writes it):

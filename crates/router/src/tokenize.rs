@@ -129,7 +129,7 @@ impl PromptTokenizer {
     pub fn encode_chat(&self, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<Vec<u32>, TokenizeError> {
         let renders_tools = self.template().is_some_and(ChatTemplate::renders_tools);
         let (messages, tools) = tools::prompt::conversation(messages, tools, renders_tools);
-        let messages = &messages[..];
+        let messages: &[ChatMessage] = &messages;
         match self {
             PromptTokenizer::Model { template: Some(t), tokenizer } => {
                 let text = t

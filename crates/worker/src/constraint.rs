@@ -41,14 +41,13 @@ impl GrammarCompiler {
             .as_ref()
             .map_err(Clone::clone)?;
         let parser = factory.create_parser(constraint.grammar()).map_err(|e| ConstraintError(e.to_string()))?;
-        Ok(Grammar { matcher: Matcher::new(Ok(parser)), vocab_size: self.vocab_size })
+        Ok(Grammar { matcher: Matcher::new(Ok(parser)) })
     }
 }
 
 /// One request's position in its grammar.
 pub struct Grammar {
     matcher: Matcher,
-    vocab_size: usize,
 }
 
 /// The tokens allowed at one step, one bit per token id.
@@ -85,7 +84,6 @@ impl Grammar {
         if mask.is_zero() {
             return Err(ConstraintError("the constraint allows no token here".into()));
         }
-        debug_assert!(mask.len() >= self.vocab_size);
         Ok(TokenMask(mask))
     }
 

@@ -235,7 +235,8 @@ impl Sequence {
         }
     }
 
-    /// Pass generated token `t` through the stop tokens, the detokenizer and the stop strings.
+    /// Pass generated token `t` (already committed to the grammar, if any) through the stop
+    /// tokens, the detokenizer, the stop strings and the grammar's completeness.
     fn advance(&mut self, t: u32, vocab: &dyn Vocab) -> Advance {
         if self.stop_ids.contains(&t) || (!self.ignore_eos && vocab.eos_ids().contains(&t)) {
             return Advance::Stop { text: String::new(), flush: true };
@@ -243,6 +244,10 @@ impl Sequence {
         let text = self.detok.push(vocab.token_bytes(t));
         match self.stop.push(&text) {
             StopCheck::Stopped(text) => Advance::Stop { text, flush: false },
+            // A complete grammar allows nothing after it: the request ends here.
+            StopCheck::Continue(text) if self.grammar.as_ref().is_some_and(Grammar::is_complete) => {
+                Advance::Stop { text, flush: true }
+            }
             StopCheck::Continue(text) => Advance::Go(text),
         }
     }
@@ -256,23 +261,12 @@ impl Sequence {
         for i in self.tokens.len() - n..self.tokens.len() {
             let t = self.tokens[i];
             self.sampler.replay(t);
-            let complete = match &mut self.grammar {
-                Some(g) => {
-                    g.commit(t).map_err(|e| ConstraintError(format!("resumed token {t} at {i}: {e}")))?;
-                    g.is_complete()
-                }
-                None => false,
-            };
-            match self.advance(t, vocab) {
-                Advance::Stop { flush, .. } => {
-                    self.finish(FinishReason::Stop, flush);
-                    return Ok(true);
-                }
-                Advance::Go(_) if complete => {
-                    self.finish(FinishReason::Stop, true);
-                    return Ok(true);
-                }
-                Advance::Go(_) => {}
+            if let Some(g) = &mut self.grammar {
+                g.commit(t).map_err(|e| ConstraintError(format!("resumed token {t} at {i}: {e}")))?;
+            }
+            if let Advance::Stop { flush, .. } = self.advance(t, vocab) {
+                self.finish(FinishReason::Stop, flush);
+                return Ok(true);
             }
         }
         Ok(false)
@@ -652,17 +646,14 @@ impl Scheduler {
 
     /// Stream token `t` of sequence `s`; returns why it finished, if it did, and whether text
     /// held back (partial characters, possible stop-string starts) must still be flushed.
-    /// A grammar that is complete ends the request as a stop (nothing may follow it).
     fn emit(
         s: &mut Sequence,
         t: u32,
         logprobs: Option<TokenLogprobs>,
         vocab: &dyn Vocab,
     ) -> Option<(FinishReason, bool)> {
-        let complete = s.grammar.as_ref().is_some_and(Grammar::is_complete);
         let (text, finish) = match s.advance(t, vocab) {
             Advance::Stop { text, flush } => (text, Some((FinishReason::Stop, flush))),
-            Advance::Go(text) if complete => (text, Some((FinishReason::Stop, true))),
             Advance::Go(text) => (text, (s.tokens.len() >= s.max_len).then_some((FinishReason::Length, true))),
         };
         let _ = s.reply.send(Event::Token { id: t, text, logprobs });

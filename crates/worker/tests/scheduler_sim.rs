@@ -251,8 +251,13 @@ fn kv_events_carry_the_same_hashes_the_router_computes() {
 
     let root = ChainRoot::for_model("sim", None);
     let expected = prefix_block_hashes(&prompt, 16, root);
+    // The engine publishes a step's events after the step, so they may trail its Finished.
     let mut stored = Vec::new();
-    while let Ok(batch) = sub.events.try_recv() {
+    while stored.len() < expected.len() {
+        let batch = rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(20), sub.events.recv()).await })
+            .expect("the step's KV events arrive")
+            .expect("the engine is running");
         stored.extend(batch.into_iter().filter_map(|e| match e {
             KvEvent::Stored(h) => Some(h),
             KvEvent::Evicted(_) => None,

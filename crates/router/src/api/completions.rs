@@ -147,8 +147,13 @@ async fn complete(
     }
     let pool = state.cluster.model(&job.model).ok_or_else(|| ApiError::ModelNotFound(job.model.clone()))?;
     who.model = Some(pool.name.clone());
-    let family = Family::of_template(pool.tokenizer.template().map(ChatTemplate::source));
-    check_constraints(state, family, &mut job).await?;
+    // With active tools: the calls' family and `parallel_tool_calls`.
+    let tool_parsing = job
+        .tools
+        .as_ref()
+        .filter(|t| t.active())
+        .map(|t| (Family::of_template(pool.tokenizer.template().map(ChatTemplate::source)), t.parallel));
+    check_constraints(state, tool_parsing.map(|(family, _)| family), &mut job).await?;
 
     let input = std::mem::replace(&mut job.input, Input::Prompts(Vec::new()));
     let tools = job.tools.clone();
@@ -226,7 +231,7 @@ async fn complete(
         n,
         choices,
         logprobs: job.params.top_logprobs.is_some(),
-        tool_parsing: job.tools.as_ref().filter(|t| t.active()).map(|t| (family, t.parallel)),
+        tool_parsing,
         span: span.clone(),
         trace_text,
         arrived,
@@ -315,8 +320,10 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
 /// A forced tool call becomes the request's constraint; then every constraint and every tool's
 /// parameters schema is compiled, as a worker would, on the tokenizer threads (milliseconds of
 /// CPU each), before anything else is spent.
-async fn check_constraints(state: &AppState, family: Family, job: &mut Job) -> Result<(), ApiError> {
-    if let Some(c) = job.tools.as_ref().and_then(|t| t.constraint(family)) {
+async fn check_constraints(state: &AppState, family: Option<Family>, job: &mut Job) -> Result<(), ApiError> {
+    if let (Some(tools), Some(family)) = (&job.tools, family)
+        && let Some(c) = tools.constraint(family)
+    {
         job.params.structured = Some(Structured { constraint: c, param: "tool_choice" });
     }
     let (structured, tools) = (job.params.structured.clone(), job.tools.clone());

@@ -7,20 +7,24 @@
 //! results as `<tool_response>` blocks in a user turn. Either way the answer is parsed by the
 //! family's parser, so what the model is shown and what is read back always agree.
 
+use std::borrow::Cow;
+
 use bellows_common::chat_template::ChatMessage;
 use serde_json::Value;
 
 use super::Tools;
 
-/// The messages to render and the tools to pass the template (only when it renders them).
-pub fn conversation(
-    messages: &[ChatMessage],
+/// The messages to render and the tools to pass the template (only when it renders them). A
+/// conversation with no tool in it is rendered as sent, uncopied.
+pub fn conversation<'a>(
+    messages: &'a [ChatMessage],
     tools: Option<&Tools>,
     template_renders_tools: bool,
-) -> (Vec<ChatMessage>, Option<Vec<Value>>) {
+) -> (Cow<'a, [ChatMessage]>, Option<Vec<Value>>) {
     let active = tools.filter(|t| t.active());
-    if template_renders_tools {
-        return (messages.to_vec(), active.map(Tools::as_json));
+    let tool_turns = messages.iter().any(|m| m.role == "tool" || !m.tool_calls.is_empty());
+    if template_renders_tools || (active.is_none() && !tool_turns) {
+        return (Cow::Borrowed(messages), active.map(Tools::as_json));
     }
     let mut out: Vec<ChatMessage> = messages.iter().map(hermes_turn).collect();
     if let Some(tools) = active {
@@ -30,7 +34,7 @@ pub fn conversation(
             _ => out.insert(0, ChatMessage { role: "system".into(), content: block, ..Default::default() }),
         }
     }
-    (out, None)
+    (Cow::Owned(out), None)
 }
 
 fn hermes_tools(tools: &Tools) -> String {
@@ -99,7 +103,8 @@ mod tests {
 
     #[test]
     fn without_template_support_tools_and_turns_take_hermes_form() {
-        let (msgs, passed) = conversation(&history(), Some(&tools(ToolChoice::Auto)), false);
+        let history = history();
+        let (msgs, passed) = conversation(&history, Some(&tools(ToolChoice::Auto)), false);
         assert_eq!(passed, None);
         assert_eq!(msgs[0].role, "system");
         let listed = msgs[0].content.split("<tools>\n").nth(1).and_then(|t| t.split("\n</tools>").next()).unwrap();
@@ -118,14 +123,16 @@ mod tests {
 
     #[test]
     fn a_template_with_tool_support_gets_the_tools_and_the_history_as_sent() {
-        let (msgs, passed) = conversation(&history(), Some(&tools(ToolChoice::Required)), true);
-        assert_eq!(msgs, history());
+        let history = history();
+        let (msgs, passed) = conversation(&history, Some(&tools(ToolChoice::Required)), true);
+        assert_eq!(*msgs, history);
         assert_eq!(passed.unwrap()[0]["function"]["name"], "weather");
     }
 
     #[test]
     fn tool_choice_none_shows_no_tools() {
-        let (msgs, passed) = conversation(&history()[..1], Some(&tools(ToolChoice::None)), false);
+        let history = history();
+        let (msgs, passed) = conversation(&history[..1], Some(&tools(ToolChoice::None)), false);
         assert_eq!((msgs.len(), passed), (1, None));
     }
 }
