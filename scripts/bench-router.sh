@@ -149,18 +149,22 @@ overhead() { # RUN
     local common=(--max-tokens 8 --prompt-tokens 16)
     local many=(--connections 64 --requests "$requests" --warmup 1000)
     local one=(--connections 1 --requests 200 --warmup 20)
-    local w1 w2 f1 f2 r
-    read -r w1 w2 f1 f2 <<<"$(free_ports 4)"
+    local w1 w2 w3 w4 f1 f2 r
+    read -r w1 w2 w3 w4 f1 f2 <<<"$(free_ports 6)"
     local direct="grpc://127.0.0.1:$w1,127.0.0.1:$w2"
     sim_worker sim-a "$w1" "$sim" --max-batch-tokens 2048
     sim_worker sim-b "$w2" "$sim" --max-batch-tokens 2048
-    # "+1t": the same router on one async thread (--threads 1).
-    for policy in round_robin cache_aware round_robin+1t cache_aware+1t; do
+    # The same workers speaking protocol 1 (a Generate call per request, no Session stream).
+    sim_worker sim-c "$w3" "$sim" --max-batch-tokens 2048 --protocol-version 1
+    sim_worker sim-d "$w4" "$sim" --max-batch-tokens 2048 --protocol-version 1
+    # "+1t": the same router on one async thread (--threads 1); "+v1": in front of sim-c, sim-d.
+    for policy in round_robin cache_aware round_robin+1t cache_aware+1t round_robin+v1; do
         r=$(free_ports 1)
-        local threads=()
+        local threads=() workers="127.0.0.1:$w1,127.0.0.1:$w2"
         [[ $policy == *+1t ]] && threads=(--threads 1)
-        start "bellows-$policy" "$bin/bellows-router" --listen "127.0.0.1:$r" --workers "127.0.0.1:$w1,127.0.0.1:$w2" \
-            --policy "${policy%+1t}" "${threads[@]}"
+        [[ $policy == *+v1 ]] && workers="127.0.0.1:$w3,127.0.0.1:$w4"
+        start "bellows-$policy" "$bin/bellows-router" --listen "127.0.0.1:$r" --workers "$workers" \
+            --policy "${policy%+*}" "${threads[@]}"
         local router=$last_pid
         wait_ready "http://127.0.0.1:$r"
         if [[ $policy == round_robin ]]; then

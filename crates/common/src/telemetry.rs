@@ -112,6 +112,11 @@ pub fn continue_grpc_trace(span: &tracing::Span, metadata: &tonic::metadata::Met
     set_parent(span, global::get_text_map_propagator(|p| p.extract(&MetadataExtractor(metadata))));
 }
 
+/// Continue a trace carried as a map (a Session frame's `trace_context`).
+pub fn continue_trace_from_map(span: &tracing::Span, carrier: &std::collections::HashMap<String, String>) {
+    set_parent(span, global::get_text_map_propagator(|p| p.extract(carrier)));
+}
+
 fn set_parent(span: &tracing::Span, cx: Context) {
     if cx.span().span_context().is_valid() {
         let _ = span.set_parent(cx);
@@ -132,6 +137,14 @@ pub fn set_attribute(span: &tracing::Span, key: &'static str, value: impl Into<o
 pub fn inject(span: &tracing::Span, metadata: &mut tonic::metadata::MetadataMap) {
     let cx = span.context();
     global::get_text_map_propagator(|p| p.inject_context(&cx, &mut MetadataInjector(metadata)));
+}
+
+/// `span`'s trace context as a map (for a Session frame); empty when not traced.
+pub fn inject_map(span: &tracing::Span) -> std::collections::HashMap<String, String> {
+    let cx = span.context();
+    let mut carrier = std::collections::HashMap::new();
+    global::get_text_map_propagator(|p| p.inject_context(&cx, &mut carrier));
+    carrier
 }
 
 /// The trace id of `span` as 32 hex digits, for log lines; `None` when not traced.

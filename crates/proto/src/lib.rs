@@ -9,3 +9,11 @@ pub mod worker {
         tonic::include_proto!("bellows.worker.v1");
     }
 }
+
+/// The newest router <-> worker protocol this build speaks, advertised in
+/// `ModelInfoResponse.protocol_version`: 1 = Generate only; 2 = Session (one multiplexed stream
+/// per router) as well.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The first protocol version with the Session RPC.
+pub const SESSION_PROTOCOL: u32 = 2;

@@ -19,19 +19,48 @@ use bellows_common::telemetry;
 use bellows_common::{constraint::Constraint, prefix_hash::BlockHash};
 use bellows_proto::worker::v1 as pb;
 use tokio::sync::mpsc;
-use tonic::Code;
 use tracing::field::Empty;
 
 use crate::{
     admission::Ticket,
-    api::{
-        error::{ApiError, Overload},
-        request::GenerationParams,
-    },
-    cluster::{ModelPool, WorkerId},
+    cluster::{ModelPool, Reply, WorkerError, WorkerId, WorkerLink},
     metrics::{Metrics, PolicyLabels},
-    placement::{self, Policy, PromptShape},
+    placement::{self, Placement, Policy, PromptShape},
 };
+
+/// How each choice is generated: what the worker receives besides the prompt.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GenerationParams {
+    pub sampling: pb::SamplingParams,
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// What the output must match (structured outputs); `None` = free text.
+    pub structured: Option<Structured>,
+    /// Report each token's logprob with this many alternatives; `None` = no logprobs.
+    pub top_logprobs: Option<u32>,
+}
+
+/// A request's constraint and the field it came in, which its errors name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Structured {
+    pub constraint: Constraint,
+    /// `response_format`, `guided_json`, `guided_regex`, `guided_grammar` or `tool_choice`.
+    pub param: &'static str,
+}
+
+/// Why a choice could not be generated.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DispatchError {
+    /// No worker of the model could take it (none placeable, or every one tried).
+    #[error("no worker is available")]
+    NoWorkers,
+    /// The last worker's refusal or failure, once retries and migrations are used up (or at
+    /// once when the request itself is at fault).
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+}
 
 /// What happens to one choice, in order: `Started` (unless it failed before any worker took
 /// it), any number of `Text`, then one `Done` or `Failed`.
@@ -56,7 +85,7 @@ pub enum ChoiceEvent {
     },
     Failed {
         index: u32,
-        error: ApiError,
+        error: DispatchError,
     },
 }
 
@@ -93,12 +122,29 @@ pub struct Dispatcher {
     pub metrics: Arc<Metrics>,
 }
 
-/// How a worker's failure is handled.
-enum Failure {
-    /// Try another worker (counts against retries or migrations).
-    Retry(ApiError),
+/// How one attempt on one worker ended.
+enum Outcome {
+    /// The choice finished; its `Done` event is sent.
+    Done,
+    /// The client went away: stop (dropping the call cancels it on the worker).
+    Cancelled,
+    /// The worker refused or failed before any token: try another with the same request.
+    Retry(WorkerError),
+    /// The worker failed mid-stream: continue on another from the tokens so far.
+    Migrate(WorkerError),
     /// The request itself is at fault: tell the client.
-    Final(ApiError),
+    Final(WorkerError),
+}
+
+/// What a choice has been through so far, across its attempts.
+struct Progress {
+    tried: Vec<WorkerId>,
+    /// Tokens the client has the text of (as far as the worker released it): a migration
+    /// appends them to the prompt as `resumed_tokens`, and the next worker releases the rest.
+    generated: Vec<u32>,
+    retries: u32,
+    migrations: u32,
+    started: bool,
 }
 
 impl Dispatcher {
@@ -112,201 +158,268 @@ impl Dispatcher {
         });
     }
 
-    async fn run(&self, pool: &ModelPool, mut choice: Choice, tx: &mpsc::Sender<ChoiceEvent>) -> Result<(), ApiError> {
-        let index = choice.index;
-        let mut tried: Vec<WorkerId> = Vec::new();
-        // Tokens the client has the text of (as far as the worker released it): a migration
-        // appends them to the prompt as `resumed_tokens`, and the next worker releases the rest.
-        let mut generated: Vec<u32> = Vec::new();
-        let (mut retries, mut migrations) = (0u32, 0u32);
-        let mut started = false;
-        let mut last_error = ApiError::Overloaded { reason: Overload::NoWorkers, retry_after: Duration::from_secs(1) };
+    /// Attempts until one ends the choice; retries and migrations within their limits.
+    async fn run(
+        &self,
+        pool: &ModelPool,
+        mut choice: Choice,
+        tx: &mpsc::Sender<ChoiceEvent>,
+    ) -> Result<(), DispatchError> {
+        let mut progress =
+            Progress { tried: Vec::new(), generated: Vec::new(), retries: 0, migrations: 0, started: false };
+        let mut last_error = DispatchError::NoWorkers;
         loop {
-            let (prompt, hashes) = if generated.is_empty() {
-                (choice.prompt.clone(), choice.hashes.clone())
-            } else {
-                let tokens: Vec<u32> = choice.prompt.iter().chain(&generated).copied().collect();
-                let hashes = pool.block_hashes(&tokens, choice.cache_salt.as_deref());
-                (Arc::new(tokens), Arc::new(hashes))
-            };
+            let (prompt, hashes) = self.prompt(pool, &choice, &progress.generated);
             let shape = PromptShape { tokens: prompt.len(), block_size: pool.block_size, hashes: &hashes };
-            let placement_span = tracing::info_span!(
-                parent: &choice.span,
-                "placement",
-                bellows.policy = self.policy.kind().as_str(),
-                bellows.candidates = Empty,
-                bellows.worker = Empty,
-                bellows.matched_blocks = Empty,
-                bellows.cost.uncached_tokens = Empty,
-                bellows.cost.queued_work = Empty,
-            );
-            let Some(placed) = placement::place(pool, self.policy.as_ref(), shape, &tried, self.placement_memory)
-            else {
-                // Nobody left to try: the last worker's error, or "no workers" if none was tried.
-                return Err(last_error);
-            };
-            placement_span.record("bellows.candidates", placed.candidates);
-            placement_span.record("bellows.worker", placed.worker.node_id.as_str());
-            placement_span.record("bellows.matched_blocks", placed.cached_blocks);
-            placement_span.record("bellows.cost.uncached_tokens", placed.uncached_tokens);
-            placement_span.record("bellows.cost.queued_work", placed.queued_work);
-            drop(placement_span);
-            self.metrics.placements.get_or_create(&PolicyLabels { policy: self.policy.kind().as_str() }).inc();
-            if generated.is_empty() {
-                self.metrics.prompt_tokens.inc_by(prompt.len() as u64);
-                self.metrics.predicted_cached_tokens.inc_by((placed.cached_blocks * pool.block_size) as u64);
-            }
-            let worker = placed.worker;
-            tried.push(worker.id);
-
-            let request = pb::GenerateRequest {
-                request_id: format!("{}-{index}", choice.request_id),
-                prompt_token_ids: prompt.to_vec(),
-                sampling: Some(choice.params.sampling.clone()),
-                max_tokens: choice.params.max_tokens.map(|m| m - generated.len() as u32),
-                stop: choice.params.stop.clone(),
-                stop_token_ids: choice.params.stop_token_ids.clone(),
-                ignore_eos: choice.params.ignore_eos,
-                cache_salt: choice.cache_salt.clone(),
-                delta_interval_ms: if choice.stream { 0 } else { WHOLE_ANSWER_DELTA_INTERVAL_MS },
-                resumed_tokens: generated.len() as u32,
-                // Sent again on a migration: the new worker replays the resumed tokens through it.
-                constraint: choice.params.structured.as_ref().map(|s| constraint_frame(&s.constraint)),
-                top_logprobs: choice.params.top_logprobs,
-            };
-            let kind = match (generated.is_empty(), tried.len()) {
-                (true, 1) => "first",
-                (true, _) => "retry",
-                (false, _) => "migration",
-            };
-            let attempt = tracing::info_span!(
-                parent: &choice.span,
-                "worker.attempt",
-                otel.kind = "client",
-                otel.status_code = Empty,
-                rpc.system = "grpc",
-                rpc.method = "Generate",
-                server.address = %worker.address,
-                bellows.worker = %worker.node_id,
-                bellows.attempt = tried.len(),
-                bellows.attempt.kind = kind,
-                bellows.outcome = Empty,
-            );
-            let mut request = tonic::Request::new(request);
-            telemetry::inject(&attempt, request.metadata_mut());
-            // Until the worker's reports show it, the request adds the prefill it will really
-            // cost there: the prompt minus the blocks placement expects it to find cached.
-            let mut pending =
-                Some(worker.dispatch(prompt.len().saturating_sub(placed.cached_blocks * pool.block_size)));
-            choice.ticket = None; // the pending entry counts it now
-            let mut client = worker.client();
-            let opened = tokio::select! {
-                r = tokio::time::timeout(self.worker_timeout, client.generate(request)) => r,
-                _ = tx.closed() => return Ok(()),
-            };
-            let failure = match opened {
-                Err(_) => Failure::Retry(ApiError::WorkerTimeout),
-                Ok(Err(status)) => classify(&status),
-                Ok(Ok(response)) => {
-                    if let Some(p) = &pending {
-                        p.accepted();
+            // Nobody left to try: the last worker's error, or "no workers" if none was tried.
+            let placed = self.place(pool, &choice, shape, &progress).ok_or(last_error)?;
+            progress.tried.push(placed.worker.id);
+            let error = match self.attempt(pool, &mut choice, &mut progress, &prompt, placed, tx).await {
+                Outcome::Done | Outcome::Cancelled => return Ok(()),
+                Outcome::Final(e) => return Err(e.into()),
+                Outcome::Retry(e) => {
+                    progress.retries += 1;
+                    if progress.retries > self.max_retries {
+                        return Err(e.into());
                     }
-                    if !started {
-                        started = true;
-                        if tx.send(ChoiceEvent::Started { index }).await.is_err() {
-                            return Ok(());
-                        }
+                    self.metrics.retries.inc();
+                    e
+                }
+                Outcome::Migrate(e) => {
+                    progress.migrations += 1;
+                    if progress.migrations > self.max_migrations {
+                        return Err(e.into());
                     }
-                    let mut stream = response.into_inner();
-                    loop {
-                        let message = tokio::select! {
-                            m = stream.message() => m,
-                            _ = tx.closed() => return Ok(()),
-                        };
-                        match message {
-                            Ok(Some(pb::GenerateResponse {
-                                kind: Some(pb::generate_response::Kind::Delta(delta)),
-                            })) => {
-                                // Started: no longer waiting, whatever the reports say.
-                                pending = None;
-                                generated.extend_from_slice(&delta.token_ids);
-                                let tokens = delta.token_ids.len() as u32;
-                                if !delta.text.is_empty() || tokens > 0 {
-                                    let event =
-                                        ChoiceEvent::Text { index, text: delta.text, tokens, logprobs: delta.logprobs };
-                                    if tx.send(event).await.is_err() {
-                                        return Ok(());
-                                    }
-                                }
-                            }
-                            Ok(Some(pb::GenerateResponse { kind: Some(pb::generate_response::Kind::Finished(f)) })) => {
-                                let reported = f.usage.unwrap_or_default();
-                                let usage = pb::Usage {
-                                    prompt_tokens: choice.prompt.len() as u32,
-                                    completion_tokens: generated.len() as u32,
-                                    cached_prompt_tokens: reported.cached_prompt_tokens.min(choice.prompt.len() as u32),
-                                };
-                                self.metrics.completion_tokens.inc_by(u64::from(usage.completion_tokens));
-                                self.metrics.cached_tokens.inc_by(u64::from(usage.cached_prompt_tokens));
-                                let finish = pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Stop);
-                                attempt.record("bellows.outcome", "finished");
-                                let _ = tx.send(ChoiceEvent::Done { index, finish, usage }).await;
-                                return Ok(());
-                            }
-                            Ok(Some(_)) => {}
-                            Ok(None) => break Failure::Retry(ApiError::WorkerFailed("stream ended early".into())),
-                            Err(status) => break classify(&status),
-                        }
+                    self.metrics.migrations.inc();
+                    if choice.params.max_tokens.is_some_and(|m| progress.generated.len() as u32 >= m) {
+                        // Everything asked for was generated; only the Finished message was lost.
+                        let usage = usage(&choice, &progress, 0);
+                        let _ = tx
+                            .send(ChoiceEvent::Done { index: choice.index, finish: pb::FinishReason::Length, usage })
+                            .await;
+                        return Ok(());
                     }
+                    e
                 }
             };
-            drop(pending);
-            attempt.record("otel.status_code", "ERROR");
-            let error = match failure {
-                Failure::Final(e) => {
-                    attempt.record("bellows.outcome", "refused");
-                    return Err(e);
-                }
-                Failure::Retry(e) => e,
-            };
-            attempt.record("bellows.outcome", "failed");
-            tracing::warn!(
-                parent: &attempt,
-                request_id = %choice.request_id,
-                trace_id = telemetry::trace_id(&choice.span).as_deref(),
-                worker = %worker.node_id,
-                generated = generated.len(),
-                "worker attempt failed: {error}"
-            );
-            if generated.is_empty() {
-                retries += 1;
-                if retries > self.max_retries {
-                    return Err(error);
-                }
-                self.metrics.retries.inc();
-            } else {
-                migrations += 1;
-                if migrations > self.max_migrations {
-                    return Err(error);
-                }
-                self.metrics.migrations.inc();
-                if choice.params.max_tokens.is_some_and(|m| generated.len() as u32 >= m) {
-                    // Everything asked for was generated; only the Finished message was lost.
-                    let usage = pb::Usage {
-                        prompt_tokens: choice.prompt.len() as u32,
-                        completion_tokens: generated.len() as u32,
-                        cached_prompt_tokens: 0,
-                    };
-                    let _ = tx.send(ChoiceEvent::Done { index, finish: pb::FinishReason::Length, usage }).await;
-                    return Ok(());
-                }
-            }
-            last_error = error;
+            last_error = DispatchError::Worker(error);
         }
+    }
+
+    /// The prompt of the next attempt: the choice's own, plus what was generated (a migration).
+    fn prompt(&self, pool: &ModelPool, choice: &Choice, generated: &[u32]) -> (Arc<Vec<u32>>, Arc<Vec<BlockHash>>) {
+        if generated.is_empty() {
+            return (choice.prompt.clone(), choice.hashes.clone());
+        }
+        let tokens: Vec<u32> = choice.prompt.iter().chain(generated).copied().collect();
+        let hashes = pool.block_hashes(&tokens, choice.cache_salt.as_deref());
+        (Arc::new(tokens), Arc::new(hashes))
+    }
+
+    /// Choose a worker not tried yet, recording the decision in a span and the metrics.
+    fn place(
+        &self,
+        pool: &ModelPool,
+        choice: &Choice,
+        shape: PromptShape<'_>,
+        progress: &Progress,
+    ) -> Option<Placement> {
+        let span = tracing::info_span!(
+            parent: &choice.span,
+            "placement",
+            bellows.policy = self.policy.kind().as_str(),
+            bellows.candidates = Empty,
+            bellows.worker = Empty,
+            bellows.matched_blocks = Empty,
+            bellows.cost.uncached_tokens = Empty,
+            bellows.cost.queued_work = Empty,
+        );
+        let tokens = shape.tokens;
+        let placed = placement::place(pool, self.policy.as_ref(), shape, &progress.tried, self.placement_memory)?;
+        span.record("bellows.candidates", placed.candidates);
+        span.record("bellows.worker", placed.worker.node_id.as_str());
+        span.record("bellows.matched_blocks", placed.cached_blocks);
+        span.record("bellows.cost.uncached_tokens", placed.uncached_tokens);
+        span.record("bellows.cost.queued_work", placed.queued_work);
+        self.metrics.placements.get_or_create(&PolicyLabels { policy: self.policy.kind().as_str() }).inc();
+        if progress.generated.is_empty() {
+            self.metrics.prompt_tokens.inc_by(tokens as u64);
+            self.metrics.predicted_cached_tokens.inc_by((placed.cached_blocks * pool.block_size) as u64);
+        }
+        Some(placed)
+    }
+
+    /// One worker's attempt at the choice: open the call, relay its answers to `tx`.
+    async fn attempt(
+        &self,
+        pool: &ModelPool,
+        choice: &mut Choice,
+        progress: &mut Progress,
+        prompt: &[u32],
+        placed: Placement,
+        tx: &mpsc::Sender<ChoiceEvent>,
+    ) -> Outcome {
+        let worker = placed.worker;
+        let span = attempt_span(choice, &worker, progress);
+        let request = self.request(choice, prompt, &progress.generated);
+        // Until the worker's reports show it, the request adds the prefill it will really cost
+        // there: the prompt minus the blocks placement expects it to find cached.
+        let mut pending = Some(worker.dispatch(prompt.len().saturating_sub(placed.cached_blocks * pool.block_size)));
+        choice.ticket = None; // the pending entry counts it now
+        let opened = tokio::select! {
+            r = tokio::time::timeout(self.worker_timeout, worker.open(request, &span)) => r,
+            _ = tx.closed() => return Outcome::Cancelled,
+        };
+        let outcome = 'call: {
+            let mut call = match opened {
+                Err(_) => break 'call failed(WorkerError::Timeout, progress),
+                Ok(Err(e)) => break 'call failed(e, progress),
+                Ok(Ok(call)) => call,
+            };
+            if let Some(p) = &pending {
+                p.accepted();
+            }
+            if !progress.started {
+                progress.started = true;
+                if tx.send(ChoiceEvent::Started { index: choice.index }).await.is_err() {
+                    return Outcome::Cancelled;
+                }
+            }
+            loop {
+                let reply = tokio::select! {
+                    r = call.next() => r,
+                    _ = tx.closed() => return Outcome::Cancelled,
+                };
+                match reply {
+                    Ok(Some(Reply::Delta(delta))) => {
+                        pending = None; // started: no longer waiting, whatever the reports say
+                        if !relay(choice.index, delta, progress, tx).await {
+                            return Outcome::Cancelled;
+                        }
+                    }
+                    Ok(Some(Reply::Finished(f))) => {
+                        span.record("bellows.outcome", "finished");
+                        self.finish(choice, progress, f, tx).await;
+                        return Outcome::Done;
+                    }
+                    Ok(None) => break 'call failed(WorkerError::Failed("stream ended early".into()), progress),
+                    Err(e) => break 'call failed(e, progress),
+                }
+            }
+        };
+        drop(pending);
+        self.record_failure(&span, choice, &worker, progress, &outcome);
+        outcome
+    }
+
+    /// The worker's request for this attempt.
+    fn request(&self, choice: &Choice, prompt: &[u32], generated: &[u32]) -> pb::GenerateRequest {
+        let params = &choice.params;
+        pb::GenerateRequest {
+            request_id: format!("{}-{}", choice.request_id, choice.index),
+            prompt_token_ids: prompt.to_vec(),
+            sampling: Some(params.sampling.clone()),
+            max_tokens: params.max_tokens.map(|m| m - generated.len() as u32),
+            stop: params.stop.clone(),
+            stop_token_ids: params.stop_token_ids.clone(),
+            ignore_eos: params.ignore_eos,
+            cache_salt: choice.cache_salt.clone(),
+            delta_interval_ms: if choice.stream { 0 } else { WHOLE_ANSWER_DELTA_INTERVAL_MS },
+            resumed_tokens: generated.len() as u32,
+            // Sent again on a migration: the new worker replays the resumed tokens through it.
+            constraint: params.structured.as_ref().map(|s| constraint_frame(&s.constraint)),
+            top_logprobs: params.top_logprobs,
+        }
+    }
+
+    async fn finish(&self, choice: &Choice, progress: &Progress, f: pb::Finished, tx: &mpsc::Sender<ChoiceEvent>) {
+        let reported = f.usage.unwrap_or_default().cached_prompt_tokens;
+        let usage = usage(choice, progress, reported);
+        self.metrics.completion_tokens.inc_by(u64::from(usage.completion_tokens));
+        self.metrics.cached_tokens.inc_by(u64::from(usage.cached_prompt_tokens));
+        let finish = pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Stop);
+        let _ = tx.send(ChoiceEvent::Done { index: choice.index, finish, usage }).await;
+    }
+
+    fn record_failure(
+        &self,
+        span: &tracing::Span,
+        choice: &Choice,
+        worker: &WorkerLink,
+        progress: &Progress,
+        outcome: &Outcome,
+    ) {
+        span.record("otel.status_code", "ERROR");
+        let error = match outcome {
+            Outcome::Final(_) => {
+                span.record("bellows.outcome", "refused");
+                return;
+            }
+            Outcome::Retry(e) | Outcome::Migrate(e) => e,
+            Outcome::Done | Outcome::Cancelled => return,
+        };
+        span.record("bellows.outcome", "failed");
+        tracing::warn!(
+            parent: span,
+            request_id = %choice.request_id,
+            trace_id = telemetry::trace_id(&choice.span).as_deref(),
+            worker = %worker.node_id,
+            generated = progress.generated.len(),
+            "worker attempt failed: {error}"
+        );
     }
 }
 
-/// Map a worker's gRPC status to what the router does about it.
+/// What a worker's refusal or failure means for the choice.
+fn failed(error: WorkerError, progress: &Progress) -> Outcome {
+    match error {
+        WorkerError::Rejected(_) => Outcome::Final(error),
+        _ if progress.generated.is_empty() => Outcome::Retry(error),
+        _ => Outcome::Migrate(error),
+    }
+}
+
+/// Pass a Delta on to the client; `false` when the client went away.
+async fn relay(index: u32, delta: pb::Delta, progress: &mut Progress, tx: &mpsc::Sender<ChoiceEvent>) -> bool {
+    progress.generated.extend_from_slice(&delta.token_ids);
+    let tokens = delta.token_ids.len() as u32;
+    if delta.text.is_empty() && tokens == 0 {
+        return true;
+    }
+    tx.send(ChoiceEvent::Text { index, text: delta.text, tokens, logprobs: delta.logprobs }).await.is_ok()
+}
+
+/// The choice's usage: its own prompt (not a migration's), every token generated, and the
+/// cached tokens the worker reported, bounded by the prompt.
+fn usage(choice: &Choice, progress: &Progress, cached: u32) -> pb::Usage {
+    pb::Usage {
+        prompt_tokens: choice.prompt.len() as u32,
+        completion_tokens: progress.generated.len() as u32,
+        cached_prompt_tokens: cached.min(choice.prompt.len() as u32),
+    }
+}
+
+fn attempt_span(choice: &Choice, worker: &WorkerLink, progress: &Progress) -> tracing::Span {
+    let kind = match (progress.generated.is_empty(), progress.tried.len()) {
+        (true, 1) => "first",
+        (true, _) => "retry",
+        (false, _) => "migration",
+    };
+    tracing::info_span!(
+        parent: &choice.span,
+        "worker.attempt",
+        otel.kind = "client",
+        otel.status_code = Empty,
+        rpc.system = "grpc",
+        rpc.method = worker.rpc_method(),
+        server.address = %worker.address,
+        bellows.worker = %worker.node_id,
+        bellows.attempt = progress.tried.len(),
+        bellows.attempt.kind = kind,
+        bellows.outcome = Empty,
+    )
+}
+
 fn constraint_frame(c: &Constraint) -> pb::Constraint {
     use pb::constraint::Kind;
     let kind = match c {
@@ -316,23 +429,4 @@ fn constraint_frame(c: &Constraint) -> pb::Constraint {
         Constraint::Lark(lark) => Kind::Lark(lark.clone()),
     };
     pb::Constraint { kind: Some(kind) }
-}
-
-fn classify(status: &tonic::Status) -> Failure {
-    match status.code() {
-        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
-            Failure::Final(ApiError::InvalidRequest { message: status.message().to_string(), param: None })
-        }
-        Code::ResourceExhausted => {
-            let retry_after = status
-                .metadata()
-                .get("retry-after-ms")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<u64>().ok())
-                .map_or(Duration::from_secs(1), Duration::from_millis);
-            Failure::Retry(ApiError::Overloaded { reason: Overload::WorkersBusy, retry_after })
-        }
-        Code::DeadlineExceeded => Failure::Retry(ApiError::WorkerTimeout),
-        _ => Failure::Retry(ApiError::WorkerFailed(format!("{:?}: {}", status.code(), status.message()))),
-    }
 }

@@ -80,6 +80,9 @@ pub struct Metrics {
     pub worker_waiting: Family<WorkerLabels, Gauge>,
     pub worker_running: Family<WorkerLabels, Gauge>,
     pub membership_changes: Family<ChangeLabels, Counter>,
+    /// Worker answers received on sessions and not yet taken by their requests: what slow
+    /// readers hold in this router.
+    pub session_buffered: Gauge,
 }
 
 /// One model's latency histograms, looked up once per request rather than per token.
@@ -123,6 +126,7 @@ impl Metrics {
             worker_waiting: Family::default(),
             worker_running: Family::default(),
             membership_changes: Family::default(),
+            session_buffered: Gauge::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -168,6 +172,11 @@ impl Metrics {
             m.worker_running.clone(),
         );
         r.register("membership_changes", "Workers joining and leaving", m.membership_changes.clone());
+        r.register(
+            "session_buffered_messages",
+            "Worker messages received on session streams and not yet taken by their requests (slow readers)",
+            m.session_buffered.clone(),
+        );
         usage.register(r);
         Arc::new(Metrics { registry, ..m })
     }

@@ -7,7 +7,7 @@ mod common;
 
 use std::{sync::Arc, time::Duration};
 
-use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
+use bellows_proto::worker::v1 as pb;
 use bellows_worker::{
     engine::{Engine, EngineConfig},
     load::{default_model_path, load_gguf},
@@ -15,8 +15,8 @@ use bellows_worker::{
     request::{Event, GenerateRequest},
     sampling::SamplingParams,
 };
-use common::{eventually, generate, greedy, sim, spawn_node, start_node};
-use tonic::{Code, transport::Channel};
+use common::{eventually, generate, greedy, report_where, sim, spawn_node, start_node, watch};
+use tonic::Code;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn generate_over_grpc_gives_the_engines_own_greedy_tokens_and_model_info_tokenizes_alike() {
@@ -83,28 +83,6 @@ async fn generate_over_grpc_gives_the_engines_own_greedy_tokens_and_model_info_t
     assert_eq!(info.kv_block_size, 16);
     assert_eq!(info.context_length, 8192);
     assert_eq!(info.architecture, "llama");
-}
-
-async fn watch(client: &mut WorkerClient<Channel>) -> tonic::Streaming<pb::WatchLoadResponse> {
-    client.watch_load(pb::WatchLoadRequest {}).await.unwrap().into_inner()
-}
-
-/// Read load reports until one satisfies `f`.
-async fn report_where(
-    reports: &mut tonic::Streaming<pb::WatchLoadResponse>,
-    what: &str,
-    f: impl Fn(&pb::LoadReport) -> bool,
-) -> pb::LoadReport {
-    let read = async {
-        loop {
-            let msg = reports.message().await.unwrap().expect("the load stream stays open");
-            let load = msg.load.expect("every message has a load report");
-            if f(&load) {
-                return load;
-            }
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(20), read).await.unwrap_or_else(|_| panic!("no load report where {what}"))
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -27,15 +27,15 @@ use tracing::{Instrument, Span, field::Empty};
 
 use super::{
     AppState,
-    error::{ApiError, Overload},
-    request::{self, Endpoint, Input, Job, Prompt, Structured},
+    error::{ApiError, Overload, ratelimit_headers},
+    request::{self, Endpoint, Input, Job, Prompt},
     response::{self, ChoiceOut, Header, UsageOut},
     tool_request,
 };
 use crate::{
     admission::Ticket,
     cluster::ModelPool,
-    dispatch::{Choice, ChoiceEvent},
+    dispatch::{Choice, ChoiceEvent, Structured},
     metrics::{Latencies, ReasonLabels, RequestLabels},
     tenants::{Admission as LimitAdmission, ModelUsage, QueueRejection, Tenant, Turn},
     tools::{self, Family, Piece, ToolCallParser, Tools},
@@ -92,7 +92,7 @@ async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, b
     };
     // Every answer to a known tenant carries its rate-limit state, errors included.
     if let Some(tenant) = &who.tenant {
-        response.headers_mut().extend(state.tenants.limits().headers(tenant));
+        response.headers_mut().extend(ratelimit_headers(&state.tenants.limits().quotas(tenant)));
     }
     let labels = RequestLabels {
         endpoint: endpoint.as_str(),
@@ -125,6 +125,8 @@ struct Tokenized {
     hashes: Arc<Vec<BlockHash>>,
 }
 
+/// A request from arrival to its answer: authenticate and admit, parse, tokenize, charge the
+/// tenant, dispatch the choices, answer (whole or streamed).
 async fn complete(
     state: &Arc<AppState>,
     endpoint: Endpoint,
@@ -154,44 +156,74 @@ async fn complete(
         .filter(|t| t.active())
         .map(|t| (Family::of_template(pool.tokenizer.template().map(ChatTemplate::source)), t.parallel));
     check_constraints(state, tool_parsing.map(|(family, _)| family), &mut job).await?;
+    let cache_salt = tenant.cache_salt();
+    let tokenized = tokenize_job(state, &pool, &mut job, &cache_salt).await?;
+    check_against_model(&pool, &job, &tokenized)?;
+    let accounting = charge(state, &tenant, &pool, &mut job, &tokenized).await?;
 
+    let id = new_id(endpoint);
+    span.record("gen_ai.response.id", id.as_str());
+    span.record("bellows.request_id", id.as_str());
+    let rx = spawn_choices(state, &pool, &job, &tokenized, &id, &cache_salt, ticket, span);
+    let reply = Reply {
+        endpoint,
+        id,
+        model: pool.name.clone(),
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        n: job.n,
+        choices: tokenized.len() * job.n as usize,
+        logprobs: job.params.top_logprobs.is_some(),
+        tool_parsing,
+        span: span.clone(),
+        trace_text: state.trace_text,
+        arrived,
+        latencies: state.metrics.latencies(&pool.name),
+        accounting,
+    };
+    if job.stream { reply.stream(rx, job.include_usage).await } else { reply.whole(rx).await }
+}
+
+/// The job's prompts as tokens and block hashes: on the tokenizer pool when there is text or
+/// a chat to render, in place for token ids (hashing costs less than the hop to the pool).
+async fn tokenize_job(
+    state: &AppState,
+    pool: &Arc<ModelPool>,
+    job: &mut Job,
+    cache_salt: &Option<String>,
+) -> Result<Vec<Tokenized>, ApiError> {
     let input = std::mem::replace(&mut job.input, Input::Prompts(Vec::new()));
     let tools = job.tools.clone();
     let trace_text = state.trace_text;
-    let cache_salt = tenant.cache_salt();
-    let tokenized = {
-        let tokenize_span = tracing::info_span!("tokenize", bellows.prompt_tokens = Empty, bellows.prompt = Empty);
-        let result = if needs_tokenizer(&input) {
-            let (pool, cache_salt, in_pool) = (pool.clone(), cache_salt.clone(), tokenize_span.clone());
-            state
-                .tokenizers
-                .run(move || {
-                    in_pool.in_scope(|| tokenize(&pool, input, tools.as_ref(), cache_salt.as_deref(), trace_text))
-                })
-                .await
-                .map_err(|_| tokenizer_busy())??
-        } else {
-            // Token ids only need hashing, which costs less than the hop to the pool.
-            tokenize_span.in_scope(|| tokenize(&pool, input, tools.as_ref(), cache_salt.as_deref(), trace_text))?
-        };
-        let tokens: usize = result.iter().map(|t| t.tokens.len()).sum();
-        tokenize_span.record("bellows.prompt_tokens", tokens);
-        result
+    let span = tracing::info_span!("tokenize", bellows.prompt_tokens = Empty, bellows.prompt = Empty);
+    let result = if needs_tokenizer(&input) {
+        let (pool, cache_salt, in_pool) = (pool.clone(), cache_salt.clone(), span.clone());
+        state
+            .tokenizers
+            .run(move || in_pool.in_scope(|| tokenize(&pool, input, tools.as_ref(), cache_salt.as_deref(), trace_text)))
+            .await
+            .map_err(|_| tokenizer_busy())??
+    } else {
+        span.in_scope(|| tokenize(pool, input, tools.as_ref(), cache_salt.as_deref(), trace_text))?
     };
-    check_against_model(&pool, &job, &tokenized)?;
+    span.record("bellows.prompt_tokens", result.iter().map(|t| t.tokens.len()).sum::<usize>());
+    Ok(result)
+}
 
-    // The tenant's own limits, then its turn under the global cap.
+/// The tenant's own limits, then (with fair sharing) its turn under the global cap; the
+/// tenant's `max_tokens` cap stands in for an absent `max_tokens`, within the context.
+async fn charge(
+    state: &AppState,
+    tenant: &Arc<Tenant>,
+    pool: &ModelPool,
+    job: &mut Job,
+    tokenized: &[Tokenized],
+) -> Result<Accounting, ApiError> {
     let prompt_tokens: usize = tokenized.iter().map(|t| t.tokens.len()).sum();
-    let limits = state.tenants.limits().admit(
-        &tenant,
-        &pool.name,
-        prompt_tokens as u64,
-        job.params.max_tokens.map(u64::from),
-    )?;
+    let max_tokens = job.params.max_tokens.map(u64::from);
+    let limits = state.tenants.limits().admit(tenant, &pool.name, prompt_tokens as u64, max_tokens)?;
     if job.params.max_tokens.is_none()
         && let Some(cap) = limits.max_tokens()
     {
-        // The tenant's cap stands in for an absent max_tokens, within the context.
         let longest = tokenized.iter().map(|t| t.tokens.len()).max().unwrap_or(0);
         let room = pool.context_length().saturating_sub(longest).max(1);
         job.params.max_tokens = Some(cap.min(room as u64) as u32);
@@ -200,7 +232,7 @@ async fn complete(
         None => None,
         Some(queue) => {
             let cost = prompt_tokens as u64 + u64::from(job.params.max_tokens.unwrap_or(0)) * u64::from(job.n);
-            let waited = queue.wait_turn(&tenant, cost).instrument(tracing::info_span!("admission.fair_queue")).await;
+            let waited = queue.wait_turn(tenant, cost).instrument(tracing::info_span!("admission.fair_queue")).await;
             match waited {
                 Ok(turn) => Some(turn),
                 Err(rejection) => {
@@ -216,29 +248,7 @@ async fn complete(
     };
     let usage = state.usage.model(&tenant.name, &pool.name);
     usage.request(prompt_tokens as u64, 0);
-
-    let id = new_id(endpoint);
-    span.record("gen_ai.response.id", id.as_str());
-    span.record("bellows.request_id", id.as_str());
-    let rx = spawn_choices(state, &pool, &job, &tokenized, &id, &cache_salt, ticket, span);
-    let n = job.n;
-    let choices = tokenized.len() * n as usize;
-    let reply = Reply {
-        endpoint,
-        id,
-        model: pool.name.clone(),
-        created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
-        n,
-        choices,
-        logprobs: job.params.top_logprobs.is_some(),
-        tool_parsing,
-        span: span.clone(),
-        trace_text,
-        arrived,
-        latencies: state.metrics.latencies(&pool.name),
-        accounting: Accounting { limits, usage, turn },
-    };
-    if job.stream { reply.stream(rx, job.include_usage).await } else { reply.whole(rx).await }
+    Ok(Accounting { limits, usage, turn })
 }
 
 /// One dispatch task per choice (`n` per prompt), all answering on one channel. The first
@@ -334,7 +344,7 @@ async fn check_constraints(state: &AppState, family: Option<Family>, job: &mut J
         .tokenizers
         .run(move || {
             tools.as_ref().map_or(Ok(()), tool_request::check_parameters)?;
-            structured.as_ref().map_or(Ok(()), Structured::check)
+            structured.as_ref().map_or(Ok(()), request::check_structured)
         })
         .await;
     checked.map_err(|_| tokenizer_busy())?
@@ -593,7 +603,7 @@ impl Reply {
                     usage.add(&u, index % self.n == 0);
                     open -= 1;
                 }
-                Some(ChoiceEvent::Failed { error, .. }) => return Err(error),
+                Some(ChoiceEvent::Failed { error, .. }) => return Err(error.into()),
                 None => return Err(ApiError::WorkerFailed("a choice ended without an answer".into())),
             }
         }
@@ -619,7 +629,7 @@ impl Reply {
         let mut timing = Timing { streamed: true, ..Timing::default() };
         let first = loop {
             match rx.recv().await {
-                Some(ChoiceEvent::Failed { error, .. }) => return Err(error),
+                Some(ChoiceEvent::Failed { error, .. }) => return Err(error.into()),
                 Some(event @ ChoiceEvent::Started { .. }) => self.observe(&event, &mut timing),
                 Some(event) => break event,
                 None => return Err(ApiError::WorkerFailed("no choice produced anything".into())),
@@ -727,7 +737,7 @@ impl StreamState {
             }
             Some(ChoiceEvent::Failed { error, .. }) => {
                 self.reply.span.record("otel.status_code", "ERROR");
-                out.push(serde_json::to_string(&error.body()).expect("error bodies serialize"));
+                out.push(serde_json::to_string(&ApiError::from(error).body()).expect("error bodies serialize"));
                 out.push("[DONE]".to_string());
                 self.finished = true;
             }

@@ -4,17 +4,26 @@
 //! Handlers return `ApiError` and never build a status themselves, so the same failure always
 //! reaches a client the same way, and a client library (which branches on status and `code`)
 //! can act on it: retry a 503 after `Retry-After`, fix the parameter named in a 400.
+//!
+//! A tenant's rate-limit state goes out here too, as OpenAI sends it: the `x-ratelimit-*`
+//! headers of [`ratelimit_headers`] (on every response of a known tenant, errors included), with
+//! durations in OpenAI's format ([`format_duration`]), as in the 429 messages.
 
 use std::time::Duration;
 
 use axum::{
     Json,
-    http::{HeaderValue, StatusCode, header},
+    http::{HeaderName, HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
 use serde::Serialize;
 
-use crate::{tenants::LimitError, tokenize::TokenizeError};
+use crate::{
+    cluster::WorkerError,
+    dispatch::DispatchError,
+    tenants::{LimitError, Quota, RateLimit},
+    tokenize::TokenizeError,
+};
 
 /// Why the cluster could not take a request now (503). A bounded set: also a metrics label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,6 +114,22 @@ impl From<TokenizeError> for ApiError {
     }
 }
 
+impl From<DispatchError> for ApiError {
+    fn from(e: DispatchError) -> Self {
+        match e {
+            DispatchError::NoWorkers => {
+                ApiError::Overloaded { reason: Overload::NoWorkers, retry_after: Duration::from_secs(1) }
+            }
+            DispatchError::Worker(WorkerError::Rejected(message)) => ApiError::InvalidRequest { message, param: None },
+            DispatchError::Worker(WorkerError::Busy { retry_after }) => {
+                ApiError::Overloaded { reason: Overload::WorkersBusy, retry_after }
+            }
+            DispatchError::Worker(WorkerError::Timeout) => ApiError::WorkerTimeout,
+            DispatchError::Worker(WorkerError::Failed(message)) => ApiError::WorkerFailed(message),
+        }
+    }
+}
+
 impl ApiError {
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
         ApiError::InvalidRequest { message: message.into(), param: Some(param.into()) }
@@ -119,7 +144,9 @@ impl ApiError {
             ApiError::WorkerFailed(_) => StatusCode::BAD_GATEWAY,
             ApiError::WorkerTimeout => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
-            ApiError::Limited(e) => e.status(),
+            ApiError::Limited(LimitError::ModelNotAllowed { .. }) => StatusCode::FORBIDDEN,
+            ApiError::Limited(LimitError::MaxTokens { .. }) => StatusCode::BAD_REQUEST,
+            ApiError::Limited(LimitError::RateLimited { .. }) => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -198,9 +225,40 @@ impl ApiError {
                 None,
                 Some("invalid_api_key"),
             ),
-            ApiError::Limited(e) => (e.message(), e.kind(), e.param().map(str::to_string), Some(e.code())),
+            ApiError::Limited(e) => limit_body(e),
         };
         ErrorBody { error: ErrorDetail { message, kind: kind.to_string(), param, code: code.map(str::to_string) } }
+    }
+}
+
+/// OpenAI's `(message, type, param, code)` for a refusal by the tenant's own limits: a rate
+/// limit's `type` says which one.
+fn limit_body(e: &LimitError) -> (String, &'static str, Option<String>, Option<&'static str>) {
+    match e {
+        LimitError::ModelNotAllowed { model } => (
+            format!("This API key may not use the model `{model}`."),
+            "invalid_request_error",
+            Some("model".into()),
+            Some("model_not_allowed"),
+        ),
+        LimitError::MaxTokens { requested, allowed } => (
+            format!("max_tokens is {requested}, but this API key allows at most {allowed}."),
+            "invalid_request_error",
+            Some("max_tokens".into()),
+            Some("invalid_value"),
+        ),
+        LimitError::RateLimited { limit, configured, retry_after } => {
+            let what = match limit {
+                RateLimit::Requests => "requests per minute",
+                RateLimit::Tokens => "tokens per minute",
+                RateLimit::Concurrency => "concurrent requests",
+            };
+            let message = format!(
+                "Rate limit reached for {what} (limit: {configured}). Please try again in {}.",
+                format_duration(*retry_after)
+            );
+            (message, limit.as_str(), None, Some("rate_limit_exceeded"))
+        }
     }
 }
 
@@ -221,6 +279,53 @@ pub struct ErrorDetail {
 /// Whole seconds for a Retry-After header: at least 1 (0 invites a retry storm).
 pub fn retry_after_secs(d: Duration) -> u64 {
     d.as_secs_f64().ceil().max(1.0) as u64
+}
+
+/// OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers for a tenant's
+/// quotas, in their order.
+pub fn ratelimit_headers(quotas: &[Quota]) -> Vec<(HeaderName, HeaderValue)> {
+    let mut out = Vec::with_capacity(3 * quotas.len());
+    for q in quotas {
+        let values = [
+            ("limit", q.configured.to_string()),
+            ("remaining", q.remaining.to_string()),
+            ("reset", format_duration(q.reset)),
+        ];
+        for (what, value) in values {
+            let name = HeaderName::try_from(format!("x-ratelimit-{what}-{}", q.limit.as_str()));
+            if let (Ok(name), Ok(value)) = (name, HeaderValue::try_from(value)) {
+                out.push((name, value));
+            }
+        }
+    }
+    out
+}
+
+/// A duration as OpenAI writes it in `x-ratelimit-reset-*` (Go's format, to the millisecond):
+/// `0s`, `120ms`, `1s`, `1.5s`, `6m0s`, `1h2m3s`.
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_nanos().div_ceil(1_000_000);
+    if ms == 0 {
+        return "0s".into();
+    }
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (h, m, s, frac) = (ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000);
+    let mut out = String::new();
+    if h > 0 {
+        out.push_str(&format!("{h}h"));
+    }
+    if h > 0 || m > 0 {
+        out.push_str(&format!("{m}m"));
+    }
+    if frac == 0 {
+        out.push_str(&format!("{s}s"));
+    } else {
+        out.push_str(format!("{s}.{frac:03}").trim_end_matches('0'));
+        out.push('s');
+    }
+    out
 }
 
 impl IntoResponse for ApiError {
@@ -263,5 +368,115 @@ mod tests {
         let r = ApiError::Overloaded { reason: Overload::QueueFull, retry_after: Duration::from_millis(2100) }
             .into_response();
         assert_eq!(r.headers()[header::RETRY_AFTER], "3");
+    }
+
+    #[test]
+    fn a_limit_error_maps_to_one_status_and_openais_body() {
+        let rate =
+            |limit, configured| LimitError::RateLimited { limit, configured, retry_after: Duration::from_millis(1500) };
+        let cases = [
+            (
+                LimitError::ModelNotAllowed { model: "b".into() },
+                StatusCode::FORBIDDEN,
+                "invalid_request_error",
+                Some("model"),
+                "model_not_allowed",
+                "This API key may not use the model `b`.",
+            ),
+            (
+                LimitError::MaxTokens { requested: 257, allowed: 256 },
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                Some("max_tokens"),
+                "invalid_value",
+                "max_tokens is 257, but this API key allows at most 256.",
+            ),
+            (
+                rate(RateLimit::Requests, 600),
+                StatusCode::TOO_MANY_REQUESTS,
+                "requests",
+                None,
+                "rate_limit_exceeded",
+                "Rate limit reached for requests per minute (limit: 600). Please try again in 1.5s.",
+            ),
+            (
+                rate(RateLimit::Tokens, 1000),
+                StatusCode::TOO_MANY_REQUESTS,
+                "tokens",
+                None,
+                "rate_limit_exceeded",
+                "Rate limit reached for tokens per minute (limit: 1000). Please try again in 1.5s.",
+            ),
+            (
+                rate(RateLimit::Concurrency, 2),
+                StatusCode::TOO_MANY_REQUESTS,
+                "concurrency",
+                None,
+                "rate_limit_exceeded",
+                "Rate limit reached for concurrent requests (limit: 2). Please try again in 1.5s.",
+            ),
+        ];
+        for (limit, status, kind, param, code, message) in cases {
+            let e = ApiError::from(limit);
+            let body = e.body().error;
+            assert_eq!(e.status(), status, "{e:?}");
+            assert_eq!(
+                (body.kind.as_str(), body.param.as_deref(), body.code.as_deref(), body.message.as_str()),
+                (kind, param, Some(code), message)
+            );
+        }
+    }
+
+    #[test]
+    fn a_rate_limit_refusal_carries_its_retry_after() {
+        let e =
+            LimitError::RateLimited { limit: RateLimit::Tokens, configured: 10, retry_after: Duration::from_secs(31) };
+        let r = ApiError::from(e).into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "31");
+    }
+
+    #[test]
+    fn ratelimit_headers_follow_openais_names_and_format() {
+        let quotas = [
+            Quota { limit: RateLimit::Requests, configured: 60, remaining: 59, reset: Duration::from_secs(1) },
+            Quota { limit: RateLimit::Tokens, configured: 6000, remaining: 5400, reset: Duration::from_secs(6) },
+        ];
+        let h = ratelimit_headers(&quotas);
+        let h: Vec<_> = h.iter().map(|(n, v)| (n.as_str(), v.to_str().unwrap())).collect();
+        assert_eq!(
+            h,
+            [
+                ("x-ratelimit-limit-requests", "60"),
+                ("x-ratelimit-remaining-requests", "59"),
+                ("x-ratelimit-reset-requests", "1s"),
+                ("x-ratelimit-limit-tokens", "6000"),
+                ("x-ratelimit-remaining-tokens", "5400"),
+                ("x-ratelimit-reset-tokens", "6s"),
+            ]
+        );
+        let full = Quota { limit: RateLimit::Requests, configured: 60, remaining: 60, reset: Duration::ZERO };
+        assert_eq!(ratelimit_headers(&[full])[2].1, "0s");
+        // No quotas, no headers.
+        assert!(ratelimit_headers(&[]).is_empty());
+    }
+
+    #[test]
+    fn durations_are_written_like_openais() {
+        let cases = [
+            (0, "0s"),
+            (1, "1ms"),
+            (120, "120ms"),
+            (1000, "1s"),
+            (1500, "1.5s"),
+            (59_211, "59.211s"),
+            (360_000, "6m0s"),
+            (61_050, "1m1.05s"),
+            (3_723_000, "1h2m3s"),
+        ];
+        for (millis, text) in cases {
+            assert_eq!(format_duration(Duration::from_millis(millis)), text);
+        }
+        assert_eq!(format_duration(Duration::from_nanos(1)), "1ms", "rounded up, never to 0s");
     }
 }

@@ -18,7 +18,10 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::{error::ApiError, tool_request};
-use crate::tools::Tools;
+use crate::{
+    dispatch::{GenerationParams, Structured},
+    tools::Tools,
+};
 
 /// Which OpenAI endpoint a body came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,45 +59,21 @@ pub enum Input {
     Prompts(Vec<Prompt>),
 }
 
-/// How each choice is generated: what the worker receives besides the prompt.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct GenerationParams {
-    pub sampling: pb::SamplingParams,
-    pub max_tokens: Option<u32>,
-    pub stop: Vec<String>,
-    pub stop_token_ids: Vec<u32>,
-    pub ignore_eos: bool,
-    /// What the output must match (structured outputs); `None` = free text.
-    pub structured: Option<Structured>,
-    /// Report each token's logprob with this many alternatives; `None` = no logprobs.
-    pub top_logprobs: Option<u32>,
-}
-
 /// The most alternatives per token a request may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: i64 = 20;
 
-/// A request's constraint and the field it came in, which its errors name.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Structured {
-    pub constraint: Constraint,
-    /// `response_format`, `guided_json`, `guided_regex` or `guided_grammar`.
-    pub param: &'static str,
-}
-
-impl Structured {
-    /// Compile the constraint as a worker would (milliseconds; bounded by the constraint
-    /// limits): a refusal names the field and, for a schema, the JSON pointer at fault.
-    pub fn check(&self) -> Result<(), ApiError> {
-        self.constraint.check_located().map_err(|SchemaError { message, pointer }| {
-            let at = pointer.map(|p| format!(" (at JSON pointer '{p}' of the schema)")).unwrap_or_default();
-            let what = match self.constraint {
-                Constraint::JsonSchema(_) | Constraint::JsonObject => "schema",
-                Constraint::Regex(_) => "regex",
-                Constraint::Lark(_) => "grammar",
-            };
-            ApiError::invalid(self.param, format!("Invalid {what} for '{}': {message}{at}", self.param))
-        })
-    }
+/// Compile a request's constraint as a worker would (milliseconds; bounded by the constraint
+/// limits): a refusal names the field and, for a schema, the JSON pointer at fault.
+pub fn check_structured(s: &Structured) -> Result<(), ApiError> {
+    s.constraint.check_located().map_err(|SchemaError { message, pointer }| {
+        let at = pointer.map(|p| format!(" (at JSON pointer '{p}' of the schema)")).unwrap_or_default();
+        let what = match s.constraint {
+            Constraint::JsonSchema(_) | Constraint::JsonObject => "schema",
+            Constraint::Regex(_) => "regex",
+            Constraint::Lark(_) => "grammar",
+        };
+        ApiError::invalid(s.param, format!("Invalid {what} for '{}': {message}{at}", s.param))
+    })
 }
 
 /// A valid request.
@@ -345,7 +324,7 @@ fn top_logprobs(endpoint: Endpoint, logprobs: Option<Value>, top: Option<i64>) -
 }
 
 /// The one constraint a request may carry: OpenAI's `response_format` or one of vLLM's
-/// `guided_*` fields. Only the shape is checked here; [`Structured::check`] compiles it.
+/// `guided_*` fields. Only the shape is checked here; [`check_structured`] compiles it.
 fn structured(
     response_format: Option<Value>,
     guided_json: Option<Value>,

@@ -6,6 +6,11 @@
 //! worker it does not use. A stream that breaks, or stays silent past [`REPORT_SILENCE`], takes
 //! the worker out of placement at once and forgets its cached blocks; the link reconnects in the
 //! background and the worker's next snapshot restores them.
+//!
+//! A worker that speaks protocol 2 gets every request on one Session stream (see
+//! [`super::session`]), opened with the load stream and followed by the same task: the link is up
+//! only while both are, and either breaking takes it down and starts it over. An older worker
+//! gets a Generate call per request.
 
 use std::{
     sync::{
@@ -15,16 +20,26 @@ use std::{
     time::Duration,
 };
 
+use bellows_common::telemetry;
 use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
-use tokio::task::JoinHandle;
+use tokio::{sync::mpsc, task::JoinHandle};
+use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{Cluster, WorkerId};
+use super::{
+    Cluster, WorkerId,
+    call::{WorkerCall, WorkerError},
+    session::SessionChannel,
+};
 
 /// Workers report at least every 250 ms; a stream silent this long is treated as broken.
 pub const REPORT_SILENCE: Duration = Duration::from_secs(3);
 /// How long a dead worker's reconnect attempts wait, at most.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// HTTP/2 flow-control windows: a session carries every request's answers on one stream, so
+/// its window must hold many requests' worth in flight, not one's.
+const STREAM_WINDOW: u32 = 8 << 20;
+const CONNECTION_WINDOW: u32 = 16 << 20;
 /// Reports after its acceptance by which a request surely shows in the worker's own counts.
 /// One report may already be in flight when the worker enqueues it; the next one includes it.
 const REPORTS_UNTIL_REFLECTED: u64 = 2;
@@ -58,6 +73,10 @@ struct LinkState {
     pending: Vec<Pending>,
     /// From the worker's ModelInfo.
     context_length: u32,
+    /// The worker's Session stream while the link is up, if it speaks protocol 2.
+    session: Option<Arc<SessionChannel>>,
+    /// The worker's protocol version (ModelInfo).
+    protocol_version: u32,
 }
 
 pub struct WorkerLink {
@@ -91,7 +110,9 @@ impl WorkerLink {
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(5));
+            .keep_alive_timeout(Duration::from_secs(5))
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW);
         let link = Arc::new(WorkerLink {
             id,
             node_id: node_id.to_string(),
@@ -114,15 +135,36 @@ impl WorkerLink {
         if let Some(task) = self.task.lock().expect("link task lock").take() {
             task.abort();
         }
-        self.state.lock().expect("link state lock").placeable = false;
+        self.set_unplaceable();
     }
 
     pub(super) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::SeqCst)
     }
 
-    pub fn client(&self) -> WorkerClient<Channel> {
-        self.client.clone()
+    /// The RPC a request to this worker travels in: `Session` (protocol 2) or `Generate`.
+    pub fn rpc_method(&self) -> &'static str {
+        let protocol_version = self.state.lock().expect("link state lock").protocol_version;
+        if protocol_version >= bellows_proto::SESSION_PROTOCOL { "Session" } else { "Generate" }
+    }
+
+    /// Send `request` to the worker and wait until it accepts it; `span` is the attempt's span,
+    /// whose trace the worker continues.
+    pub async fn open(&self, request: pb::GenerateRequest, span: &tracing::Span) -> Result<WorkerCall, WorkerError> {
+        let (session, protocol_version) = {
+            let s = self.state.lock().expect("link state lock");
+            (s.session.clone(), s.protocol_version)
+        };
+        if let Some(session) = session {
+            return session.open(request, telemetry::inject_map(span)).await.map(WorkerCall::Session);
+        }
+        if protocol_version >= bellows_proto::SESSION_PROTOCOL {
+            return Err(WorkerError::Failed("the worker's link is down".into()));
+        }
+        let mut request = tonic::Request::new(request);
+        telemetry::inject(span, request.metadata_mut());
+        let response = self.client.clone().generate(request).await.map_err(|s| WorkerError::from_status(&s))?;
+        Ok(WorkerCall::Generate(response.into_inner()))
     }
 
     /// The worker's load, or `None` when it must not be given work.
@@ -169,7 +211,9 @@ impl WorkerLink {
     }
 
     fn set_unplaceable(&self) {
-        self.state.lock().expect("link state lock").placeable = false;
+        let mut s = self.state.lock().expect("link state lock");
+        s.placeable = false;
+        s.session = None;
     }
 }
 
@@ -206,7 +250,7 @@ async fn maintain(link: Weak<WorkerLink>, cluster: Weak<Cluster>) {
     loop {
         let (Some(l), Some(c)) = (link.upgrade(), cluster.upgrade()) else { return };
         let mut was_up = false;
-        let outcome = session(&l, &c, &mut backoff, &mut was_up).await;
+        let outcome = follow(&l, &c, &mut backoff, &mut was_up).await;
         l.set_unplaceable();
         c.forget_blocks(&l);
         failures = if was_up { 1 } else { failures + 1 };
@@ -227,17 +271,49 @@ async fn maintain(link: Weak<WorkerLink>, cluster: Weak<Cluster>) {
     }
 }
 
-async fn session(
+/// One life of the link: ModelInfo, the pool, the session (protocol 2), then the load stream
+/// and the session's answers until either ends.
+async fn follow(
     link: &Arc<WorkerLink>,
     cluster: &Arc<Cluster>,
     backoff: &mut Duration,
     was_up: &mut bool,
 ) -> anyhow::Result<()> {
-    let mut client = link.client();
+    let mut client = link.client.clone();
     let info = client.model_info(pb::ModelInfoRequest {}).await?.into_inner();
-    link.state.lock().expect("link state lock").context_length = info.context_length;
+    {
+        let mut s = link.state.lock().expect("link state lock");
+        s.context_length = info.context_length;
+        s.protocol_version = info.protocol_version;
+    }
     let pool = cluster.attach(link, &info)?;
-    let mut stream = client.watch_load(pb::WatchLoadRequest {}).await?.into_inner();
+    let session = if info.protocol_version >= bellows_proto::SESSION_PROTOCOL {
+        let (frames, outgoing) = mpsc::unbounded_channel();
+        let answers = client.session(UnboundedReceiverStream::new(outgoing)).await?.into_inner();
+        Some((SessionChannel::new(frames, cluster.metrics.session_buffered.clone()), answers))
+    } else {
+        None
+    };
+    let stream = client.watch_load(pb::WatchLoadRequest {}).await?.into_inner();
+    let Some((channel, mut answers)) = session else {
+        return watch_load(link, &pool, stream, backoff, was_up).await;
+    };
+    link.state.lock().expect("link state lock").session = Some(channel.clone());
+    let _closing = channel.closing();
+    tokio::select! {
+        r = watch_load(link, &pool, stream, backoff, was_up) => r,
+        r = channel.demux(&mut answers) => r,
+    }
+}
+
+/// Apply the worker's load reports and KV events until the stream fails or goes silent.
+async fn watch_load(
+    link: &Arc<WorkerLink>,
+    pool: &super::ModelPool,
+    mut stream: tonic::Streaming<pb::WatchLoadResponse>,
+    backoff: &mut Duration,
+    was_up: &mut bool,
+) -> anyhow::Result<()> {
     let mut first = true;
     loop {
         let msg = match tokio::time::timeout(REPORT_SILENCE, stream.message()).await {
@@ -246,22 +322,7 @@ async fn session(
             Ok(Ok(None)) => anyhow::bail!("load stream ended"),
             Ok(Ok(Some(msg))) => msg,
         };
-        {
-            let mut index = pool.index.lock().expect("prefix index lock");
-            if let Some(snapshot) = &msg.kv_snapshot {
-                index.forget_worker(link.id);
-                for &h in &snapshot.block_hashes {
-                    index.stored(link.id, h);
-                }
-            }
-            for event in &msg.kv_events {
-                match event.kind {
-                    Some(pb::kv_event::Kind::Stored(h)) => index.stored(link.id, h),
-                    Some(pb::kv_event::Kind::Evicted(h)) => index.evicted(link.id, h),
-                    None => {}
-                }
-            }
-        }
+        pool.index.lock().expect("prefix index lock").apply(link.id, &msg);
         if let Some(report) = msg.load {
             link.apply_report(report, first);
             if first {

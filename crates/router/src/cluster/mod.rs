@@ -5,11 +5,13 @@
 //! is learnt from its own ModelInfo, not trusted from etcd, so a pool's tokenizer and hashing
 //! always come from a worker that really serves it.
 
+pub mod call;
 pub mod discovery;
 pub mod link;
 pub mod peers;
 pub mod pool;
 pub mod prefix_index;
+pub mod session;
 
 use std::{
     collections::HashMap,
@@ -23,6 +25,7 @@ use bellows_proto::worker::v1 as pb;
 
 use crate::metrics::{ChangeLabels, Metrics, WorkerLabels};
 
+pub use call::{Reply, WorkerCall, WorkerError};
 pub use link::{Dispatched, Load, WorkerLink};
 pub use pool::ModelPool;
 

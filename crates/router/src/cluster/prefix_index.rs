@@ -12,6 +12,7 @@ use std::{
 };
 
 use bellows_common::prefix_hash::BlockHash;
+use bellows_proto::worker::v1 as pb;
 
 use super::WorkerId;
 
@@ -36,6 +37,24 @@ pub struct PrefixIndex {
 
 impl PrefixIndex {
     /// The worker reported it cached this block.
+    /// Apply one load-stream message: its snapshot (replacing what the worker had), then its
+    /// events in order.
+    pub fn apply(&mut self, worker: WorkerId, msg: &pb::WatchLoadResponse) {
+        if let Some(snapshot) = &msg.kv_snapshot {
+            self.forget_worker(worker);
+            for &h in &snapshot.block_hashes {
+                self.stored(worker, h);
+            }
+        }
+        for event in &msg.kv_events {
+            match event.kind {
+                Some(pb::kv_event::Kind::Stored(h)) => self.stored(worker, h),
+                Some(pb::kv_event::Kind::Evicted(h)) => self.evicted(worker, h),
+                None => {}
+            }
+        }
+    }
+
     pub fn stored(&mut self, worker: WorkerId, hash: u64) {
         let holders = self.blocks.entry(hash).or_default();
         match holders.iter_mut().find(|h| h.worker == worker) {

@@ -6,10 +6,10 @@
 //! completion tokens as the stream reports them ([`Admission::charge_completion`]), so the
 //! tenant's budget is seen spent within one report interval, not at the end of a long stream.
 //! A running stream is never cut: when its tokens overdraw the bucket, the level goes negative
-//! (a debt) and the tenant's next requests are refused (429, `Retry-After` = the time the refill
-//! takes to pay the debt back) until it is repaid. So over any window the tenant gets at most
-//! its limit plus what its streams already running produced past it (at most `max_concurrent`
-//! × `max_tokens`). A request larger than the whole bucket is let through only when the bucket
+//! (a debt) and the tenant's next requests are refused (rate limited, retry after the time the
+//! refill takes to pay the debt back) until it is repaid. So over any window the tenant gets at
+//! most its limit plus what its streams already running produced past it (at most
+//! `max_concurrent` × `max_tokens`). A request larger than the whole bucket is let through only when the bucket
 //! is full, and leaves it in debt: it costs a full minute (or more) of budget, but a tenant is
 //! never locked out by one big prompt.
 //!
@@ -20,16 +20,11 @@
 //! spread (a tenant whose requests all land on one router gets only that router's share), plus,
 //! for each router that starts, one full bucket of its share (a new router starts with full
 //! buckets). A change of share keeps what each bucket has spent, scaled, so routers joining or
-//! leaving hand out no fresh budget. The `x-ratelimit-remaining-*` headers scale the local bucket
-//! back up by the share: the tenant's whole limit, as if one bucket held it.
+//! leaving hand out no fresh budget. [`Limits::quotas`] scales the local bucket back up by the
+//! share: the tenant's whole limit, as if one bucket held it.
 //!
-//! Why not the governor crate: its GCRA cannot go into debt (completion tokens must be charged,
-//! not asked for), cannot be read without taking from it (the headers go on every response),
-//! and cannot change its rate without losing its state (a reload or a change of share must not
-//! hand out a fresh minute). The bucket here is a few lines of integer arithmetic: levels are
-//! kept in units of 1/(1000 × 60e9) token, so a refill over any number of nanoseconds is exact
-//! for a whole limit (and within a thousandth of a token per minute for a share of one), and
-//! the tests below check it to the token.
+//! The buckets themselves are in `bucket`; how a refusal or a quota reaches a client
+//! (status, body, headers) is the API's business, not this module's.
 
 use std::{
     collections::HashMap,
@@ -40,22 +35,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use axum::http::{HeaderName, HeaderValue, StatusCode};
+use super::{
+    bucket::{Bucket, SUSPENDED_RETRY_AFTER},
+    config::Tenant,
+};
 
-use super::config::Tenant;
-
-const NANOS_PER_MINUTE: i128 = 60_000_000_000;
-/// Rates are kept in thousandths of a token per minute, so a share (1/3 of 100) keeps its
-/// fraction.
-const MILLI: f64 = 1000.0;
-const UNITS_PER_TOKEN: i128 = 1000 * NANOS_PER_MINUTE;
-/// Retry-After for a concurrency refusal: a slot frees when some request ends, which the router
-/// cannot foresee.
+/// The wait reported for a concurrency refusal: a slot frees when some request ends, which the
+/// router cannot foresee.
 const CONCURRENCY_RETRY_AFTER: Duration = Duration::from_secs(1);
-/// Retry-After for a limit of 0 (the tenant is suspended): nothing will free.
-const SUSPENDED_RETRY_AFTER: Duration = Duration::from_secs(60);
 
-/// Which limit refused a request.
+/// Which limit: the one that refused a request, or the one a [`Quota`] is of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RateLimit {
     Requests,
@@ -73,29 +62,21 @@ impl RateLimit {
     }
 }
 
-/// Why a tenant's request is refused by its own limits; each maps to one status.
+/// Why a tenant's request is refused by its own limits (the API maps each to one status).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LimitError {
-    /// The tenant may not use this model (403).
+    /// The tenant may not use this model.
     #[error("model {model:?} not allowed for this tenant")]
     ModelNotAllowed { model: String },
-    /// `max_tokens` over the tenant's cap (400, param `max_tokens`).
+    /// `max_tokens` over the tenant's cap.
     #[error("max_tokens {requested} over the tenant's cap of {allowed}")]
     MaxTokens { requested: u64, allowed: u64 },
-    /// Over a rate or the concurrency cap (429 with Retry-After).
+    /// Over a rate or the concurrency cap; may retry after `retry_after`.
     #[error("{} limit reached", limit.as_str())]
     RateLimited { limit: RateLimit, configured: u64, retry_after: Duration },
 }
 
 impl LimitError {
-    pub fn status(&self) -> StatusCode {
-        match self {
-            LimitError::ModelNotAllowed { .. } => StatusCode::FORBIDDEN,
-            LimitError::MaxTokens { .. } => StatusCode::BAD_REQUEST,
-            LimitError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
-        }
-    }
-
     /// A bounded label for metrics and accounting.
     pub fn reason(&self) -> &'static str {
         match self {
@@ -105,175 +86,26 @@ impl LimitError {
         }
     }
 
-    /// OpenAI's error `type`: rate limits say which one.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            LimitError::ModelNotAllowed { .. } | LimitError::MaxTokens { .. } => "invalid_request_error",
-            LimitError::RateLimited { limit, .. } => limit.as_str(),
-        }
-    }
-
-    pub fn code(&self) -> &'static str {
-        match self {
-            LimitError::ModelNotAllowed { .. } => "model_not_allowed",
-            LimitError::MaxTokens { .. } => "invalid_value",
-            LimitError::RateLimited { .. } => "rate_limit_exceeded",
-        }
-    }
-
-    pub fn param(&self) -> Option<&'static str> {
-        match self {
-            LimitError::ModelNotAllowed { .. } => Some("model"),
-            LimitError::MaxTokens { .. } => Some("max_tokens"),
-            LimitError::RateLimited { .. } => None,
-        }
-    }
-
+    /// How long to wait before trying again; `None` when waiting will not help.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             LimitError::RateLimited { retry_after, .. } => Some(*retry_after),
             _ => None,
         }
     }
-
-    pub fn message(&self) -> String {
-        match self {
-            LimitError::ModelNotAllowed { model } => format!("This API key may not use the model `{model}`."),
-            LimitError::MaxTokens { requested, allowed } => {
-                format!("max_tokens is {requested}, but this API key allows at most {allowed}.")
-            }
-            LimitError::RateLimited { limit, configured, retry_after } => {
-                let what = match limit {
-                    RateLimit::Requests => "requests per minute",
-                    RateLimit::Tokens => "tokens per minute",
-                    RateLimit::Concurrency => "concurrent requests",
-                };
-                format!(
-                    "Rate limit reached for {what} (limit: {configured}). Please try again in {}.",
-                    format_duration(*retry_after)
-                )
-            }
-        }
-    }
 }
 
-/// A continuous token bucket holding one minute of `limit × share`, in fixed point.
-#[derive(Debug, Clone)]
-struct Bucket {
+/// One per-minute limit of a tenant as it stands now, for the client to see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    /// [`RateLimit::Requests`] or [`RateLimit::Tokens`].
+    pub limit: RateLimit,
     /// Per minute, for all routers together (the file's number).
-    limit: u64,
-    share: f64,
-    /// Units per nanosecond (= thousandths of a token per minute).
-    rate: i128,
-    capacity: i128,
-    /// Below zero: a debt.
-    level: i128,
-    at: Instant,
-}
-
-impl Bucket {
-    fn new(limit: u64, share: f64, now: Instant) -> Self {
-        let rate = rate_of(limit, share);
-        let capacity = rate * NANOS_PER_MINUTE;
-        Bucket { limit, share, rate, capacity, level: capacity, at: now }
-    }
-
-    fn advance(&mut self, now: Instant) {
-        if now > self.at {
-            let dt = i128::try_from(now.duration_since(self.at).as_nanos()).unwrap_or(i128::MAX);
-            self.level = self.level.saturating_add(dt.saturating_mul(self.rate)).min(self.capacity);
-            self.at = now;
-        }
-    }
-
-    /// New limits (a reload) or a new share (routers joined or left), keeping what was spent:
-    /// the amount used in the last minute stays used, scaled to the new share.
-    fn reconfigure(&mut self, limit: u64, share: f64, now: Instant) {
-        if limit == self.limit && share == self.share {
-            return;
-        }
-        self.advance(now);
-        let used = (self.capacity - self.level) as f64 * (share / self.share);
-        self.rate = rate_of(limit, share);
-        self.capacity = self.rate * NANOS_PER_MINUTE;
-        self.level = (self.capacity - used.round() as i128).min(self.capacity);
-        self.limit = limit;
-        self.share = share;
-    }
-
-    /// What taking `n` needs in the bucket: `n`, or a full bucket when `n` is more than it holds.
-    fn need(&self, n: u64) -> i128 {
-        (i128::from(n) * UNITS_PER_TOKEN).min(self.capacity)
-    }
-
-    /// `None` when `n` can be taken now, else how long until it can.
-    fn wait(&self, n: u64) -> Option<Duration> {
-        if self.rate == 0 {
-            return Some(SUSPENDED_RETRY_AFTER);
-        }
-        let missing = self.need(n) - self.level;
-        (missing > 0).then(|| nanos(ceil_div(missing, self.rate)))
-    }
-
-    fn take(&mut self, n: u64) {
-        self.level = self.level.saturating_sub(i128::from(n) * UNITS_PER_TOKEN);
-    }
-
-    fn give_back(&mut self, n: u64) {
-        self.level = self.level.saturating_add(i128::from(n) * UNITS_PER_TOKEN).min(self.capacity);
-    }
-
-    /// Whole tokens left, scaled to the whole limit (all routers), at most the limit.
-    fn remaining_overall(&self) -> u64 {
-        if self.level <= 0 {
-            return 0;
-        }
-        let local = self.level as f64 / UNITS_PER_TOKEN as f64;
-        ((local / self.share).floor() as u64).min(self.limit)
-    }
-
-    fn until_full(&self) -> Duration {
-        if self.rate == 0 { Duration::ZERO } else { nanos(ceil_div(self.capacity - self.level, self.rate)) }
-    }
-}
-
-fn rate_of(limit: u64, share: f64) -> i128 {
-    if limit == 0 { 0 } else { ((limit as f64 * share * MILLI).round() as i128).max(1) }
-}
-
-fn ceil_div(a: i128, b: i128) -> i128 {
-    (a + b - 1).div_euclid(b)
-}
-
-fn nanos(n: i128) -> Duration {
-    Duration::from_nanos(u64::try_from(n.max(0)).unwrap_or(u64::MAX))
-}
-
-/// A duration as OpenAI writes it in `x-ratelimit-reset-*` (Go's format, to the millisecond):
-/// `0s`, `120ms`, `1s`, `1.5s`, `6m0s`, `1h2m3s`.
-pub fn format_duration(d: Duration) -> String {
-    let ms = d.as_nanos().div_ceil(1_000_000);
-    if ms == 0 {
-        return "0s".into();
-    }
-    if ms < 1000 {
-        return format!("{ms}ms");
-    }
-    let (h, m, s, frac) = (ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000);
-    let mut out = String::new();
-    if h > 0 {
-        out.push_str(&format!("{h}h"));
-    }
-    if h > 0 || m > 0 {
-        out.push_str(&format!("{m}m"));
-    }
-    if frac == 0 {
-        out.push_str(&format!("{s}s"));
-    } else {
-        out.push_str(format!("{s}.{frac:03}").trim_end_matches('0'));
-        out.push('s');
-    }
-    out
+    pub configured: u64,
+    /// What is left of it now, scaled to all routers; 0 while in debt.
+    pub remaining: u64,
+    /// How long until the bucket is full again.
+    pub reset: Duration,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -355,9 +187,9 @@ impl Limits {
     }
 
     /// Admit a request of `tenant` for `model`, with `prompt_tokens` already counted and the
-    /// `max_tokens` the client asked for (`None`: it did not say). Checks, in order: the model
-    /// (403), `max_tokens` (400), concurrency, requests per minute, then tokens per minute (429),
-    /// and takes one request and the prompt tokens from the buckets.
+    /// `max_tokens` the client asked for (`None`: it did not say). Checks, in order: the model,
+    /// `max_tokens`, concurrency, requests per minute, then tokens per minute, and takes one
+    /// request and the prompt tokens from the buckets.
     pub fn admit(
         &self,
         tenant: &Tenant,
@@ -425,13 +257,13 @@ impl Limits {
         Ok(admission)
     }
 
-    /// The `x-ratelimit-*` headers for `tenant` now, for every response (errors too): limit,
-    /// remaining and reset for each of requests and tokens per minute that the tenant has.
-    pub fn headers(&self, tenant: &Tenant) -> Vec<(HeaderName, HeaderValue)> {
-        self.headers_at(tenant, Instant::now())
+    /// Each per-minute limit `tenant` has (requests, then tokens), as it stands now. Reading
+    /// takes nothing, so every response may carry it (errors too).
+    pub fn quotas(&self, tenant: &Tenant) -> Vec<Quota> {
+        self.quotas_at(tenant, Instant::now())
     }
 
-    fn headers_at(&self, tenant: &Tenant, now: Instant) -> Vec<(HeaderName, HeaderValue)> {
+    fn quotas_at(&self, tenant: &Tenant, now: Instant) -> Vec<Quota> {
         if tenant.requests_per_minute.is_none() && tenant.tokens_per_minute.is_none() {
             return Vec::new();
         }
@@ -439,22 +271,13 @@ impl Limits {
         let state = self.states.read().expect("limits lock").get(&tenant.name).cloned();
         let mut buckets = state.map(|s| s.buckets.lock().expect("buckets lock").clone()).unwrap_or_default();
         buckets.sync(tenant, self.share(), now);
-        let mut out = Vec::with_capacity(6);
-        for (bucket, kind) in [(&buckets.requests, "requests"), (&buckets.tokens, "tokens")] {
-            if let Some(b) = bucket {
-                let mut push = |what: &str, value: String| {
-                    if let (Ok(name), Ok(value)) =
-                        (HeaderName::try_from(format!("x-ratelimit-{what}-{kind}")), HeaderValue::try_from(value))
-                    {
-                        out.push((name, value));
-                    }
-                };
-                push("limit", b.limit.to_string());
-                push("remaining", b.remaining_overall().to_string());
-                push("reset", format_duration(b.until_full()));
-            }
-        }
-        out
+        [(RateLimit::Requests, &buckets.requests), (RateLimit::Tokens, &buckets.tokens)]
+            .into_iter()
+            .filter_map(|(limit, bucket)| {
+                let b = bucket.as_ref()?;
+                Some(Quota { limit, configured: b.limit, remaining: b.remaining_overall(), reset: b.until_full() })
+            })
+            .collect()
     }
 }
 
@@ -523,8 +346,9 @@ mod tests {
         t
     }
 
-    fn header(headers: &[(HeaderName, HeaderValue)], name: &str) -> Option<String> {
-        headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.to_str().unwrap().to_string())
+    /// What is left of `limit` for `t` at `now`, as the quotas report it.
+    fn remaining(limits: &Limits, t: &Tenant, limit: RateLimit, now: Instant) -> Option<u64> {
+        limits.quotas_at(t, now).iter().find(|q| q.limit == limit).map(|q| q.remaining)
     }
 
     fn ms(n: u64) -> Duration {
@@ -541,7 +365,6 @@ mod tests {
             held.push(limits.admit_at(&t, "m", 0, None, t0).unwrap_or_else(|e| panic!("request {i}: {e}")));
         }
         let e = limits.admit_at(&t, "m", 0, None, t0).unwrap_err();
-        assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(e, LimitError::RateLimited { limit: RateLimit::Requests, configured: 600, retry_after: ms(100) });
         // One request every 100 ms, exactly.
         assert!(limits.admit_at(&t, "m", 0, None, t0 + ms(99)).is_err());
@@ -560,7 +383,6 @@ mod tests {
         let e = limits.admit_at(&t, "m", 301, None, t0).unwrap_err();
         // 1 token missing at 1000/minute: 60 ms.
         assert_eq!(e, LimitError::RateLimited { limit: RateLimit::Tokens, configured: 1000, retry_after: ms(60) });
-        assert_eq!(e.kind(), "tokens");
         let _b = limits.admit_at(&t, "m", 300, None, t0).unwrap();
         assert!(limits.admit_at(&t, "m", 1, None, t0).is_err());
     }
@@ -575,12 +397,12 @@ mod tests {
         for i in 1..=5 {
             a.charge_completion_at(100, t0);
             let left = 500 - 100 * i;
-            assert_eq!(header(&limits.headers_at(&t, t0), "x-ratelimit-remaining-tokens").unwrap(), left.to_string());
+            assert_eq!(remaining(&limits, &t, RateLimit::Tokens, t0), Some(left));
         }
         // The budget is spent: a new request is refused while the stream goes on past it.
         assert!(limits.admit_at(&t, "m", 1, None, t0).is_err());
         a.charge_completion_at(300, t0); // 300 over: a debt
-        assert_eq!(header(&limits.headers_at(&t, t0), "x-ratelimit-remaining-tokens").unwrap(), "0");
+        assert_eq!(remaining(&limits, &t, RateLimit::Tokens, t0), Some(0));
         // The debt (300) plus the next prompt (10) must refill first: 310 tokens at 10/s = 31 s.
         let e = limits.admit_at(&t, "m", 10, None, t0).unwrap_err();
         assert_eq!(e.retry_after(), Some(Duration::from_secs(31)));
@@ -632,8 +454,7 @@ mod tests {
         assert!(limits.admit_at(&t, "m", 101, None, t0).is_ok(), "full bucket admits one oversized prompt");
         let e = limits.admit_at(&t, "m", 1, None, t0).unwrap_err();
         assert_eq!(e.reason(), "tokens");
-        let h = limits.headers_at(&t, t0);
-        assert_eq!(header(&h, "x-ratelimit-remaining-requests").unwrap(), "1");
+        assert_eq!(remaining(&limits, &t, RateLimit::Requests, t0), Some(1));
         assert_eq!(limits.states.read().unwrap()["t"].in_flight.load(Ordering::Relaxed), 0);
     }
 
@@ -646,9 +467,8 @@ mod tests {
         });
         let t0 = Instant::now();
         limits.admit_at(&t, "m", 80, None, t0).unwrap().refund();
-        let h = limits.headers_at(&t, t0);
-        assert_eq!(header(&h, "x-ratelimit-remaining-requests").unwrap(), "1");
-        assert_eq!(header(&h, "x-ratelimit-remaining-tokens").unwrap(), "100");
+        assert_eq!(remaining(&limits, &t, RateLimit::Requests, t0), Some(1));
+        assert_eq!(remaining(&limits, &t, RateLimit::Tokens, t0), Some(100));
         assert!(limits.admit_at(&t, "m", 80, None, t0).is_ok());
     }
 
@@ -659,21 +479,17 @@ mod tests {
             t.models = Some(vec!["a".into()]);
             t.requests_per_minute = Some(0);
         });
-        let e = limits.try_admit("b", &t, 0).unwrap_err();
-        assert_eq!(e.status(), StatusCode::FORBIDDEN);
-        assert_eq!(e.param(), Some("model"));
-        assert!(e.message().contains("`b`"));
-        assert_eq!(limits.try_admit("a", &t, 0).unwrap_err().status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(limits.try_admit("b", &t, 0).unwrap_err(), LimitError::ModelNotAllowed { model: "b".into() });
+        let e = limits.try_admit("a", &t, 0).unwrap_err();
+        assert!(matches!(e, LimitError::RateLimited { limit: RateLimit::Requests, .. }), "{e:?}");
     }
 
     #[test]
-    fn max_tokens_over_the_cap_is_a_400_naming_it_and_absent_max_tokens_gets_the_cap() {
+    fn max_tokens_over_the_cap_is_refused_with_both_numbers_and_absent_max_tokens_gets_the_cap() {
         let limits = Limits::new();
         let t = tenant(|t| t.max_tokens = Some(256));
         let e = limits.admit_at(&t, "m", 0, Some(257), Instant::now()).unwrap_err();
-        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
-        assert_eq!(e.param(), Some("max_tokens"));
-        assert!(e.message().contains("256") && e.message().contains("257"), "{}", e.message());
+        assert_eq!(e, LimitError::MaxTokens { requested: 257, allowed: 256 });
         assert_eq!(limits.admit_at(&t, "m", 0, Some(256), Instant::now()).unwrap().max_tokens(), Some(256));
         assert_eq!(limits.admit_at(&t, "m", 0, Some(3), Instant::now()).unwrap().max_tokens(), Some(3));
         assert_eq!(limits.admit_at(&t, "m", 0, None, Instant::now()).unwrap().max_tokens(), Some(256));
@@ -695,52 +511,32 @@ mod tests {
     }
 
     #[test]
-    fn headers_follow_openais_names_and_format() {
+    fn quotas_give_the_limit_what_is_left_and_the_time_to_full_and_reading_spends_nothing() {
         let limits = Limits::new();
         let t = tenant(|t| {
             t.requests_per_minute = Some(60);
             t.tokens_per_minute = Some(6000);
         });
         let t0 = Instant::now();
-        let h = limits.headers_at(&t, t0);
-        assert_eq!(header(&h, "x-ratelimit-limit-requests").unwrap(), "60");
-        assert_eq!(header(&h, "x-ratelimit-remaining-requests").unwrap(), "60");
-        assert_eq!(header(&h, "x-ratelimit-reset-requests").unwrap(), "0s");
-        let _a = limits.admit_at(&t, "m", 600, None, t0).unwrap();
-        let h = limits.headers_at(&t, t0);
-        assert_eq!(h.len(), 6);
-        assert_eq!(header(&h, "x-ratelimit-remaining-requests").unwrap(), "59");
-        assert_eq!(header(&h, "x-ratelimit-reset-requests").unwrap(), "1s");
-        assert_eq!(header(&h, "x-ratelimit-limit-tokens").unwrap(), "6000");
-        assert_eq!(header(&h, "x-ratelimit-remaining-tokens").unwrap(), "5400");
-        assert_eq!(header(&h, "x-ratelimit-reset-tokens").unwrap(), "6s");
-        // Reading the headers does not spend anything.
-        assert_eq!(header(&limits.headers_at(&t, t0), "x-ratelimit-remaining-requests").unwrap(), "59");
-        // No limits, no headers.
-        assert!(limits.headers(&Tenant::anonymous()).is_empty());
-    }
-
-    #[test]
-    fn durations_are_written_like_openais() {
-        let cases = [
-            (0, "0s"),
-            (1, "1ms"),
-            (120, "120ms"),
-            (1000, "1s"),
-            (1500, "1.5s"),
-            (59_211, "59.211s"),
-            (360_000, "6m0s"),
-            (61_050, "1m1.05s"),
-            (3_723_000, "1h2m3s"),
+        let quota = |limit, configured, remaining, reset| Quota { limit, configured, remaining, reset };
+        let full = vec![
+            quota(RateLimit::Requests, 60, 60, Duration::ZERO),
+            quota(RateLimit::Tokens, 6000, 6000, Duration::ZERO),
         ];
-        for (millis, text) in cases {
-            assert_eq!(format_duration(ms(millis)), text);
-        }
-        assert_eq!(format_duration(Duration::from_nanos(1)), "1ms", "rounded up, never to 0s");
+        assert_eq!(limits.quotas_at(&t, t0), full);
+        let _a = limits.admit_at(&t, "m", 600, None, t0).unwrap();
+        let spent = vec![
+            quota(RateLimit::Requests, 60, 59, Duration::from_secs(1)),
+            quota(RateLimit::Tokens, 6000, 5400, Duration::from_secs(6)),
+        ];
+        assert_eq!(limits.quotas_at(&t, t0), spent);
+        assert_eq!(limits.quotas_at(&t, t0), spent, "reading spent nothing");
+        // No limits, no quotas.
+        assert!(limits.quotas(&Tenant::anonymous()).is_empty());
     }
 
     #[test]
-    fn a_share_scales_every_limit_and_the_headers_scale_back() {
+    fn a_share_scales_every_limit_and_the_quotas_scale_back() {
         let limits = Limits::new();
         limits.set_share(0.25);
         let t = tenant(|t| {
@@ -754,12 +550,10 @@ mod tests {
         drop(admitted);
         let ok = (0..100).filter(|_| limits.admit_at(&t, "m", 0, None, t0).is_ok()).count();
         assert_eq!(ok, 23);
-        let h = limits.headers_at(&t, t0);
-        assert_eq!(header(&h, "x-ratelimit-limit-requests").unwrap(), "100");
-        assert_eq!(header(&h, "x-ratelimit-remaining-requests").unwrap(), "0");
+        let q = limits.quotas_at(&t, t0);
+        assert_eq!((q[0].limit, q[0].configured, q[0].remaining), (RateLimit::Requests, 100, 0));
         // 25 per minute here: one every 2.4 s, so 4 of the whole limit's.
-        let h = limits.headers_at(&t, t0 + ms(2400));
-        assert_eq!(header(&h, "x-ratelimit-remaining-requests").unwrap(), "4");
+        assert_eq!(remaining(&limits, &t, RateLimit::Requests, t0 + ms(2400)), Some(4));
     }
 
     #[test]

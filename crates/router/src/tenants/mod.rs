@@ -17,8 +17,8 @@
 //! With no tenants file auth is off: every caller is the [`Tenant::anonymous`] tenant, with no
 //! limits and no isolation, which is what a local cluster wants.
 //!
-//! The request path, in order (each error maps to one status; put the rate-limit headers of
-//! [`Limits::headers`] on every response of an authenticated tenant, errors included):
+//! The request path, in order (the API maps each error to one status; put the rate-limit state
+//! of [`Limits::quotas`] on every response of an authenticated tenant, errors included):
 //! 1. [`Tenants::authenticate`] with the `Authorization` header: 401 ([`AuthError`]).
 //! 2. [`Limits::admit`] with the model, the prompt's token count and the client's `max_tokens`:
 //!    403 (model), 400 (`max_tokens`), 429 (concurrency, requests, tokens) ([`LimitError`]). Keep
@@ -33,6 +33,7 @@
 
 pub mod accounting;
 pub mod auth;
+mod bucket;
 pub mod config;
 pub mod fair_queue;
 pub mod limits;
@@ -42,5 +43,5 @@ pub use accounting::{ModelUsage, Usage};
 pub use auth::{AdminKey, AuthError, bearer_key};
 pub use config::{ConfigError, Tenant, TenantsConfig};
 pub use fair_queue::{FairQueue, FairQueueConfig, QueueRejection, Turn};
-pub use limits::{Admission, LimitError, Limits, RateLimit, format_duration};
+pub use limits::{Admission, LimitError, Limits, Quota, RateLimit};
 pub use reload::{RELOAD_INTERVAL, Tenants};

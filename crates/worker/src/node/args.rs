@@ -87,6 +87,11 @@ pub struct ServeArgs {
     /// logged.
     #[arg(long, env = "BELLOWS_LOG_PROMPTS")]
     pub log_prompts: bool,
+    /// The router <-> worker protocol version to speak (1: Generate only, as an old worker
+    /// does; for compatibility tests).
+    #[arg(long, hide = true, default_value_t = bellows_proto::PROTOCOL_VERSION,
+          value_parser = clap::value_parser!(u32).range(1..=bellows_proto::PROTOCOL_VERSION as i64))]
+    pub protocol_version: u32,
 }
 
 impl ServeArgs {

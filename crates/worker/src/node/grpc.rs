@@ -22,11 +22,12 @@ use bellows_common::{constraint::Constraint, telemetry};
 use bellows_proto::worker::v1::{self as pb, generate_response::Kind, worker_server::Worker};
 use tokio::sync::watch;
 use tokio_stream::Stream;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 use super::{
     drain::{InFlight, Lifecycle},
     load_report::{self, LoadStream},
+    session::SessionStream,
     status::NodeError,
 };
 use crate::{
@@ -51,6 +52,8 @@ struct Shared {
     ready: OnceLock<Ready>,
     log_prompts: bool,
     next_request: AtomicU64,
+    /// What ModelInfo advertises; below 2 the Session RPC is refused (an old peer, for tests).
+    protocol_version: u32,
 }
 
 /// The gRPC service. Serves (refusing with UNAVAILABLE) before the model is loaded, so health
@@ -59,13 +62,14 @@ struct Shared {
 pub struct WorkerService(Arc<Shared>);
 
 impl WorkerService {
-    pub fn new(node_id: String, lifecycle: Arc<Lifecycle>, log_prompts: bool) -> Self {
+    pub fn new(node_id: String, lifecycle: Arc<Lifecycle>, log_prompts: bool, protocol_version: u32) -> Self {
         WorkerService(Arc::new(Shared {
             node_id,
             lifecycle,
             ready: OnceLock::new(),
             log_prompts,
             next_request: AtomicU64::new(1),
+            protocol_version,
         }))
     }
 
@@ -79,31 +83,10 @@ impl WorkerService {
     fn ready(&self) -> Result<&Ready, NodeError> {
         self.0.ready.get().ok_or(NodeError::Loading)
     }
-}
 
-#[tonic::async_trait]
-impl Worker for WorkerService {
-    type GenerateStream = GenerateStream;
-    type WatchLoadStream = LoadStream;
-
-    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
-        let span = tracing::info_span!(
-            "worker.generate",
-            otel.kind = "server",
-            otel.status_code = tracing::field::Empty,
-            rpc.system = "grpc",
-            rpc.service = "bellows.worker.v1.Worker",
-            rpc.method = "Generate",
-            bellows.node = %self.0.node_id,
-            bellows.request_id = tracing::field::Empty,
-            bellows.prompt_tokens = request.get_ref().prompt_token_ids.len(),
-            gen_ai.request.max_tokens = request.get_ref().max_tokens,
-            gen_ai.usage.cached_input_tokens = tracing::field::Empty,
-            gen_ai.usage.output_tokens = tracing::field::Empty,
-            gen_ai.response.finish_reasons = tracing::field::Empty,
-        );
-        telemetry::continue_grpc_trace(&span, request.metadata());
-        let req = request.into_inner();
+    /// Accept one request: admit it, check it, submit it to the engine. The stream it returns
+    /// owns the request (see the module docs), whichever RPC carries it.
+    pub(super) async fn open(&self, req: pb::GenerateRequest, span: tracing::Span) -> Result<GenerateStream, Status> {
         let in_flight = self.0.lifecycle.admit()?;
         let ready = self.ready()?;
         let id = if req.request_id.is_empty() {
@@ -134,7 +117,7 @@ impl Worker for WorkerService {
             NodeError::Submit(e)
         })?;
         let phase = Some(tracing::info_span!(parent: &span, "queue"));
-        Ok(Response::new(GenerateStream {
+        Ok(GenerateStream {
             events,
             out: VecDeque::new(),
             done: false,
@@ -153,11 +136,71 @@ impl Worker for WorkerService {
             span,
             phase,
             _in_flight: in_flight,
-        }))
+        })
+    }
+
+    /// A Session call; `refused` is called for each request the worker refuses on it.
+    pub async fn session_counted(
+        &self,
+        request: Request<Streaming<pb::SessionRequest>>,
+        refused: Arc<dyn Fn() + Send + Sync>,
+    ) -> Result<Response<SessionStream>, Status> {
+        if self.0.protocol_version < bellows_proto::SESSION_PROTOCOL {
+            return Err(Status::unimplemented("this worker speaks protocol version 1: Generate only"));
+        }
+        self.ready()?;
+        let closed = self.0.lifecycle.clone();
+        let closed = Box::pin(async move { closed.closed().await });
+        Ok(Response::new(SessionStream::new(self.clone(), request.into_inner(), closed, refused)))
+    }
+
+    pub(super) fn node_id(&self) -> &str {
+        &self.0.node_id
+    }
+}
+
+/// The span of one request on this worker, under whichever RPC carries it.
+pub(super) fn request_span(node_id: &str, request: &pb::GenerateRequest, method: &'static str) -> tracing::Span {
+    tracing::info_span!(
+        "worker.generate",
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        rpc.system = "grpc",
+        rpc.service = "bellows.worker.v1.Worker",
+        rpc.method = method,
+        bellows.node = %node_id,
+        bellows.request_id = tracing::field::Empty,
+        bellows.prompt_tokens = request.prompt_token_ids.len(),
+        gen_ai.request.max_tokens = request.max_tokens,
+        gen_ai.usage.cached_input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        gen_ai.response.finish_reasons = tracing::field::Empty,
+    )
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    type GenerateStream = GenerateStream;
+    type SessionStream = SessionStream;
+    type WatchLoadStream = LoadStream;
+
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let span = request_span(&self.0.node_id, request.get_ref(), "Generate");
+        telemetry::continue_grpc_trace(&span, request.metadata());
+        Ok(Response::new(self.open(request.into_inner(), span).await?))
+    }
+
+    async fn session(
+        &self,
+        request: Request<Streaming<pb::SessionRequest>>,
+    ) -> Result<Response<SessionStream>, Status> {
+        self.session_counted(request, Arc::new(|| {})).await
     }
 
     async fn model_info(&self, _: Request<pb::ModelInfoRequest>) -> Result<Response<pb::ModelInfoResponse>, Status> {
-        Ok(Response::new(self.ready()?.info.clone()))
+        let mut info = self.ready()?.info.clone();
+        info.protocol_version = self.0.protocol_version;
+        Ok(Response::new(info))
     }
 
     async fn watch_load(&self, _: Request<pb::WatchLoadRequest>) -> Result<Response<LoadStream>, Status> {

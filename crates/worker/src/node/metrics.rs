@@ -31,11 +31,12 @@ use prometheus_client::{
     registry::Registry,
 };
 use tokio::task::JoinHandle;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 use super::{
     grpc::{GenerateStream, WorkerService},
     load_report::LoadStream,
+    session::SessionStream,
 };
 use crate::{
     engine::EngineHandle,
@@ -73,7 +74,7 @@ impl NodeMetrics {
         let _ = self.engine.set(engine);
     }
 
-    /// A Generate call refused before it reached the engine.
+    /// A request refused before it reached the engine.
     pub fn refused(&self) {
         self.refused.fetch_add(1, Relaxed);
     }
@@ -151,7 +152,7 @@ fn encode_snapshot(enc: &mut DescriptorEncoder, s: &StatsSnapshot, refused: u64)
 
     let mut m = enc.encode_descriptor(
         "requests",
-        "Generate requests by outcome: finished, cancelled by the client, failed in the model, or refused before reaching the engine",
+        "Requests by outcome: finished, cancelled by the client, failed in the model, or refused before reaching the engine",
         None,
         MetricType::Counter,
     )?;
@@ -230,6 +231,7 @@ pub struct Counted {
 #[tonic::async_trait]
 impl Worker for Counted {
     type GenerateStream = GenerateStream;
+    type SessionStream = SessionStream;
     type WatchLoadStream = LoadStream;
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
@@ -238,6 +240,15 @@ impl Worker for Counted {
             self.metrics.refused();
         }
         answer
+    }
+
+    async fn session(
+        &self,
+        request: Request<Streaming<pb::SessionRequest>>,
+    ) -> Result<Response<SessionStream>, Status> {
+        // The session is not a request: only the requests it refuses count.
+        let metrics = self.metrics.clone();
+        self.inner.session_counted(request, Arc::new(move || metrics.refused())).await
     }
 
     async fn model_info(

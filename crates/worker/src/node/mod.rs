@@ -23,6 +23,7 @@ pub mod load_report;
 pub mod metrics;
 pub mod model;
 pub mod registration;
+pub mod session;
 pub mod status;
 
 use std::{net::SocketAddr, time::Duration};
@@ -70,7 +71,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let lifecycle = Lifecycle::new();
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::NotServing).await;
-    let service = WorkerService::new(node_id.clone(), lifecycle.clone(), args.log_prompts);
+    let service = WorkerService::new(node_id.clone(), lifecycle.clone(), args.log_prompts, args.protocol_version);
     let node_metrics = NodeMetrics::new();
     let metrics_server = metrics::serve(args.metrics_listen, node_metrics.clone()).await?;
     let server = {

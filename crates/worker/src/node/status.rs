@@ -55,6 +55,18 @@ impl From<NodeError> for Status {
     }
 }
 
+/// A refusal or failure as a Session frame carries it: the same code, message and retry hint a
+/// Generate call's status has.
+pub fn session_error(status: &Status) -> bellows_proto::worker::v1::SessionError {
+    let retry_after_ms =
+        status.metadata().get("retry-after-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
+    bellows_proto::worker::v1::SessionError {
+        code: status.code() as i32,
+        message: status.message().to_string(),
+        retry_after_ms,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -70,6 +82,18 @@ mod tests {
         assert_eq!(s.code(), Code::ResourceExhausted);
         assert_eq!(s.metadata().get("retry-after").unwrap(), "2");
         assert_eq!(s.metadata().get("retry-after-ms").unwrap(), "1200");
+    }
+
+    #[test]
+    fn a_session_refusal_carries_what_the_status_does() {
+        let s = Status::from(NodeError::Submit(SubmitError::QueueFull {
+            cap: 4,
+            retry_after: Duration::from_millis(1200),
+        }));
+        let e = session_error(&s);
+        assert_eq!(e.code, Code::ResourceExhausted as i32);
+        assert_eq!(e.retry_after_ms, Some(1200));
+        assert_eq!(e.message, s.message());
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! plus helpers for reading Generate streams.
 #![allow(dead_code)] // each test file uses part of the harness
 
-use std::path::PathBuf;
+use std::{path::PathBuf, time::Duration};
 
 #[allow(unused_imports)] // each test file uses part of the harness
 pub use bellows_integration::{Etcd, Worker as Node, eventually, sim};
@@ -65,4 +65,27 @@ pub async fn complete(mut stream: tonic::Streaming<pb::GenerateResponse>) -> Res
 pub async fn generate(client: &mut WorkerClient<Channel>, req: pb::GenerateRequest) -> Result<Completion, Status> {
     let stream = client.generate(req).await?.into_inner();
     complete(stream).await
+}
+
+/// A WatchLoad stream on this client.
+pub async fn watch(client: &mut WorkerClient<Channel>) -> tonic::Streaming<pb::WatchLoadResponse> {
+    client.watch_load(pb::WatchLoadRequest {}).await.unwrap().into_inner()
+}
+
+/// Read load reports until one satisfies `f`.
+pub async fn report_where(
+    reports: &mut tonic::Streaming<pb::WatchLoadResponse>,
+    what: &str,
+    f: impl Fn(&pb::LoadReport) -> bool,
+) -> pb::LoadReport {
+    let read = async {
+        loop {
+            let msg = reports.message().await.unwrap().expect("the load stream stays open");
+            let load = msg.load.expect("every message has a load report");
+            if f(&load) {
+                return load;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), read).await.unwrap_or_else(|_| panic!("no load report where {what}"))
 }
