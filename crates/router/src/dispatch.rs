@@ -148,14 +148,18 @@ struct Progress {
 }
 
 impl Dispatcher {
+    /// Generate `choice` on its own task.
     pub fn spawn(self: &Arc<Self>, pool: Arc<ModelPool>, choice: Choice, tx: mpsc::Sender<ChoiceEvent>) {
         let this = self.clone();
-        tokio::spawn(async move {
-            let index = choice.index;
-            if let Err(error) = this.run(&pool, choice, &tx).await {
-                let _ = tx.send(ChoiceEvent::Failed { index, error }).await;
-            }
-        });
+        tokio::spawn(async move { this.run_choice(&pool, choice, tx).await });
+    }
+
+    /// Generate `choice`, reporting on `tx` until it is done, failed, or `tx`'s receiver goes.
+    pub async fn run_choice(&self, pool: &ModelPool, choice: Choice, tx: mpsc::Sender<ChoiceEvent>) {
+        let index = choice.index;
+        if let Err(error) = self.run(pool, choice, &tx).await {
+            let _ = tx.send(ChoiceEvent::Failed { index, error }).await;
+        }
     }
 
     /// Attempts until one ends the choice; retries and migrations within their limits.

@@ -54,39 +54,10 @@ pub fn start(args: &RouterArgs, port: u16) -> anyhow::Result<Arc<AppState>> {
     let tenants = Arc::new(tenants.with_admin_key(admin));
     tenants.spawn_reloader(RELOAD_INTERVAL);
 
-    let etcd = args.etcd_endpoints();
-    if !etcd.is_empty() {
-        tokio::spawn(cluster::discovery::follow_etcd(cluster.clone(), etcd.clone(), args.cluster.clone()));
-        let id = args.router_id.clone().unwrap_or_else(|| format!("{}-{port}", cluster::peers::hostname()));
-        let limits = tenants.clone();
-        tokio::spawn(cluster::peers::share_with_peers(etcd, args.cluster.clone(), id, move |routers| {
-            limits.limits().set_share(1.0 / routers.max(1) as f64)
-        }));
-    }
+    follow_etcd(args, port, &cluster, &tenants);
 
     let admission = Admission::new(args.max_waiting as u64);
-    let fair_queue = (tenants.auth_enabled() && !args.fair_queue_timeout.is_zero()).then(|| {
-        let room = {
-            let (cluster, admission) = (cluster.clone(), admission.clone());
-            move || admission.room(cluster.queue())
-        };
-        let config = FairQueueConfig {
-            max_queued_per_tenant: args.fair_queue_depth,
-            timeout: args.fair_queue_timeout,
-            ..FairQueueConfig::default()
-        };
-        let queue = Arc::new(FairQueue::new(config, room));
-        let pump = Arc::downgrade(&queue);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(FAIR_QUEUE_TICK);
-            while let Some(q) = pump.upgrade() {
-                q.pump();
-                drop(q);
-                tick.tick().await;
-            }
-        });
-        queue
-    });
+    let fair_queue = fair_queue(args, &tenants, &cluster, &admission);
     let threads = args.tokenizer_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
     Ok(Arc::new(AppState {
         dispatcher: Arc::new(Dispatcher {
@@ -107,7 +78,55 @@ pub fn start(args: &RouterArgs, port: u16) -> anyhow::Result<Arc<AppState>> {
         tenants,
         usage,
         fair_queue,
+        refusal_log: Default::default(),
     }))
+}
+
+/// With etcd: follow the workers registered there, and take this router's share of every
+/// tenant's limits from the number of live routers.
+fn follow_etcd(args: &RouterArgs, port: u16, cluster: &Arc<Cluster>, tenants: &Arc<Tenants>) {
+    let etcd = args.etcd_endpoints();
+    if etcd.is_empty() {
+        return;
+    }
+    tokio::spawn(cluster::discovery::follow_etcd(cluster.clone(), etcd.clone(), args.cluster.clone()));
+    let id = args.router_id.clone().unwrap_or_else(|| format!("{}-{port}", cluster::peers::hostname()));
+    let limits = tenants.clone();
+    tokio::spawn(cluster::peers::share_with_peers(etcd, args.cluster.clone(), id, move |routers| {
+        limits.limits().set_share(1.0 / routers.max(1) as f64)
+    }));
+}
+
+/// The fair-share queue (with tenants and a queue timeout), pumped on its own tick.
+fn fair_queue(
+    args: &RouterArgs,
+    tenants: &Tenants,
+    cluster: &Arc<Cluster>,
+    admission: &Admission,
+) -> Option<Arc<FairQueue>> {
+    if !tenants.auth_enabled() || args.fair_queue_timeout.is_zero() {
+        return None;
+    }
+    let room = {
+        let (cluster, admission) = (cluster.clone(), admission.clone());
+        move || admission.room(cluster.queue())
+    };
+    let config = FairQueueConfig {
+        max_queued_per_tenant: args.fair_queue_depth,
+        timeout: args.fair_queue_timeout,
+        ..FairQueueConfig::default()
+    };
+    let queue = Arc::new(FairQueue::new(config, room));
+    let pump = Arc::downgrade(&queue);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(FAIR_QUEUE_TICK);
+        while let Some(q) = pump.upgrade() {
+            q.pump();
+            drop(q);
+            tick.tick().await;
+        }
+    });
+    Some(queue)
 }
 
 /// Serve until SIGTERM or SIGINT; in-flight requests finish first.

@@ -56,7 +56,11 @@ async fn read_until(
 
 #[tokio::test]
 async fn a_stream_survives_the_sigkill_of_its_worker_and_continues_exactly() {
-    migrate_mid_stream(json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 60, "temperature": 0})).await;
+    migrate_mid_stream(
+        json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 60, "temperature": 0}),
+        Fault::Kill,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -65,7 +69,7 @@ async fn a_seeded_sampled_stream_continues_on_the_same_random_draws_after_a_migr
     // 60-token answer holds a few other draws: which ones depends on the RNG's state, which the
     // new worker must take up where the dead one left it.
     let request = json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 60, "temperature": 2, "seed": 11});
-    migrate_mid_stream(request).await;
+    migrate_mid_stream(request, Fault::Kill).await;
 }
 
 #[tokio::test]
@@ -86,7 +90,7 @@ async fn a_constrained_stream_migrates_with_its_grammar_and_still_matches_its_sc
         "model": "sim", "prompt": [11, 12, 13], "max_tokens": 200, "temperature": 1, "seed": 3,
         "guided_json": schema,
     });
-    let (text, _) = migrate_mid_stream(request).await;
+    let (text, _, _) = migrate_mid_stream(request, Fault::Kill).await;
     schemas::check_output(&schema, &text).unwrap();
 }
 
@@ -94,7 +98,7 @@ async fn a_constrained_stream_migrates_with_its_grammar_and_still_matches_its_sc
 async fn a_migrated_stream_reports_the_same_logprobs_as_an_undisturbed_one() {
     let request =
         json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 60, "temperature": 1, "seed": 5, "logprobs": 3});
-    let (_, chunks) = migrate_mid_stream(request.clone()).await;
+    let (_, chunks, _) = migrate_mid_stream(request.clone(), Fault::Kill).await;
     let mut tokens = Vec::new();
     let mut logprobs = Vec::new();
     for c in chunks.iter().filter_map(|c| c["choices"].get(0)) {
@@ -112,7 +116,27 @@ async fn a_migrated_stream_reports_the_same_logprobs_as_an_undisturbed_one() {
 
 /// Run `request` undisturbed, then streamed while its worker is SIGKILLed mid-way: the client
 /// must see one stream with exactly the undisturbed text, which is returned with the chunks.
-async fn migrate_mid_stream(request: serde_json::Value) -> (String, Vec<Value>) {
+#[tokio::test]
+async fn a_stream_on_a_frozen_worker_moves_on_once_its_load_reports_stop() {
+    // SIGSTOP: alive, sockets open, silent (a hung GPU, a deadlock). Nothing breaks on the
+    // wire, so only the worker's silence on its load stream (3 s) shows it; the stream must then
+    // continue elsewhere, long before HTTP/2 keep-alive would give up (10 s + 5 s).
+    let request = json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 100, "temperature": 0});
+    let (_, _, after_fault) = migrate_mid_stream(request, Fault::Freeze).await;
+    // At most 2 s of the 100 steps of 20 ms are left after the fault, and 3 s of silence.
+    assert!(after_fault < Duration::from_secs(10), "the stream stalled on the frozen worker for {after_fault:?}");
+}
+
+/// How the worker running the stream fails.
+enum Fault {
+    /// SIGKILL: its connections close at once.
+    Kill,
+    /// SIGSTOP: it stays connected and says nothing.
+    Freeze,
+}
+
+/// The stream's text and chunks, and how long it took from the fault to its end.
+async fn migrate_mid_stream(request: serde_json::Value, fault: Fault) -> (String, Vec<Value>, Duration) {
     // 20 ms per step: a 60-token completion takes over a second, time enough to kill its worker.
     let config = r#"{"base_us": 20000}"#;
     let mut workers = [Worker::start(&sim(config)).await, Worker::start(&sim(config)).await];
@@ -141,7 +165,11 @@ async fn migrate_mid_stream(request: serde_json::Value) -> (String, Vec<Value>) 
         }
     }
     let serving = serving.expect("one worker runs the stream");
-    workers[serving].kill();
+    let faulted = std::time::Instant::now();
+    match fault {
+        Fault::Kill => workers[serving].kill(),
+        Fault::Freeze => workers[serving].signal(libc::SIGSTOP),
+    }
 
     read_until(&mut body, &mut buf, &mut events, |e| e.last().is_some_and(|l| l == "[DONE]")).await;
     let id = events[0]["id"].clone();
@@ -153,7 +181,7 @@ async fn migrate_mid_stream(request: serde_json::Value) -> (String, Vec<Value>) 
     assert_eq!(usage["completion_tokens"], reference_tokens);
     assert_eq!(usage["prompt_tokens"], 3);
     assert_eq!(router.metric("bellows_router_migrations_total").await, 1.0);
-    (text, chunks.to_vec())
+    (text, chunks.to_vec(), faulted.elapsed())
 }
 
 #[tokio::test]

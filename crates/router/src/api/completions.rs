@@ -104,9 +104,11 @@ async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, b
     if response.status().is_server_error() {
         span.record("otel.status_code", "ERROR");
     }
-    if response.status() != StatusCode::OK {
+    if response.status() != StatusCode::OK
+        && let Some(skipped) = state.refusal_log.sample()
+    {
         let _enter = span.enter();
-        tracing::info!(status = response.status().as_u16(), "request refused");
+        tracing::info!(status = response.status().as_u16(), skipped, "request refused (at most one line a second)");
     }
     response
 }
@@ -164,7 +166,7 @@ async fn complete(
     let id = new_id(endpoint);
     span.record("gen_ai.response.id", id.as_str());
     span.record("bellows.request_id", id.as_str());
-    let rx = spawn_choices(state, &pool, &job, &tokenized, &id, &cache_salt, ticket, span);
+    let choices = choices(&job, &tokenized, &id, &cache_salt, ticket, span);
     let reply = Reply {
         endpoint,
         id,
@@ -180,7 +182,7 @@ async fn complete(
         latencies: state.metrics.latencies(&pool.name),
         accounting,
     };
-    if job.stream { reply.stream(rx, job.include_usage).await } else { reply.whole(rx).await }
+    answer(state, &pool, choices, reply, &job).await
 }
 
 /// The job's prompts as tokens and block hashes: on the tokenizer pool when there is text or
@@ -251,27 +253,24 @@ async fn charge(
     Ok(Accounting { limits, usage, turn })
 }
 
-/// One dispatch task per choice (`n` per prompt), all answering on one channel. The first
-/// choice carries the request's admission ticket; a seeded request's choices get consecutive
-/// seeds, so they differ from each other and still repeat.
-#[allow(clippy::too_many_arguments)]
-fn spawn_choices(
-    state: &AppState,
-    pool: &Arc<ModelPool>,
+/// The request's choices (`n` per prompt). The first carries the request's admission ticket;
+/// a seeded request's choices get consecutive seeds, so they differ from each other and still
+/// repeat.
+fn choices(
     job: &Job,
     tokenized: &[Tokenized],
     id: &str,
     cache_salt: &Option<String>,
     mut ticket: Option<Ticket>,
     span: &Span,
-) -> mpsc::Receiver<ChoiceEvent> {
-    let (tx, rx) = mpsc::channel(64);
+) -> Vec<Choice> {
     let n = job.n;
+    let mut choices = Vec::with_capacity(tokenized.len() * n as usize);
     for (p, prompt) in tokenized.iter().enumerate() {
         for j in 0..n {
             let mut params = job.params.clone();
             params.sampling.seed = params.sampling.seed.map(|s| s.wrapping_add(u64::from(j)));
-            let choice = Choice {
+            choices.push(Choice {
                 index: p as u32 * n + j,
                 request_id: id.to_string(),
                 prompt: prompt.tokens.clone(),
@@ -281,11 +280,43 @@ fn spawn_choices(
                 stream: job.stream,
                 ticket: ticket.take(),
                 span: span.clone(),
-            };
-            state.dispatcher.spawn(pool.clone(), choice, tx.clone());
+            });
         }
     }
-    rx
+    choices
+}
+
+/// Generate the choices, all answering on one channel, and answer from it. A streamed answer
+/// outlives this handler (its body streams on), so its choices run as tasks of their own; a
+/// whole one is generated right here, its choices beside the reply that collects them: no task
+/// to spawn, and no hand-off between threads for each worker message.
+async fn answer(
+    state: &AppState,
+    pool: &Arc<ModelPool>,
+    choices: Vec<Choice>,
+    reply: Reply,
+    job: &Job,
+) -> Result<Response, ApiError> {
+    let (tx, rx) = mpsc::channel(64);
+    if job.stream {
+        for choice in choices {
+            state.dispatcher.spawn(pool.clone(), choice, tx.clone());
+        }
+        drop(tx);
+        return reply.stream(rx, job.include_usage).await;
+    }
+    let work =
+        futures_util::future::join_all(choices.into_iter().map(|c| state.dispatcher.run_choice(pool, c, tx.clone())));
+    drop(tx);
+    // The reply ends once every choice is done (or one failed): dropping its receiver then
+    // stops the rest.
+    let ((), answer) = tokio::join!(
+        async {
+            work.await;
+        },
+        reply.whole(rx)
+    );
+    answer
 }
 
 /// Without fair sharing, the global cap refuses at once, before the body is read; the ticket

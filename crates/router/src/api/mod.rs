@@ -2,6 +2,7 @@
 
 pub mod completions;
 pub mod error;
+pub mod refusal_log;
 pub mod request;
 pub mod response;
 pub mod tool_request;
@@ -44,6 +45,7 @@ pub struct AppState {
     pub usage: Arc<Usage>,
     /// Fair sharing at the global cap (with a tenants file); `None`: refuse at the cap at once.
     pub fair_queue: Option<Arc<FairQueue>>,
+    pub refusal_log: refusal_log::RefusalLog,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {

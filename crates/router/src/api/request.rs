@@ -179,95 +179,28 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Job, ApiError> {
     validate(endpoint, raw)
 }
 
-fn validate(endpoint: Endpoint, raw: RawRequest) -> Result<Job, ApiError> {
+fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
     if raw.model.is_empty() {
         return Err(ApiError::invalid("model", "'model' must not be empty"));
     }
-    let input = match endpoint {
-        Endpoint::ChatCompletions => {
-            let messages = raw.messages.ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?;
-            Input::Chat(chat_messages(messages)?)
-        }
-        Endpoint::Completions => {
-            let prompt = raw.prompt.ok_or_else(|| ApiError::invalid("prompt", "'prompt' is required"))?;
-            Input::Prompts(prompts(prompt)?)
-        }
-    };
+    let input = input(endpoint, raw.messages.take(), raw.prompt.take())?;
     unsupported(raw.echo == Some(true), "echo", "'echo' is not supported")?;
     unsupported(raw.suffix.as_deref().is_some_and(|s| !s.is_empty()), "suffix", "'suffix' is not supported")?;
-    let top_logprobs = top_logprobs(endpoint, raw.logprobs, raw.top_logprobs)?;
-    let tools = match endpoint {
-        Endpoint::ChatCompletions => tool_request::parse(raw.tools, raw.tool_choice, raw.parallel_tool_calls)?,
-        Endpoint::Completions => {
-            unsupported(raw.tools.is_some_and(|t| !t.is_empty()), "tools", "tools are for /v1/chat/completions")?;
-            None
-        }
-    };
-    if let Input::Chat(messages) = &input {
-        tool_request::check_tool_turns(messages)?;
-    }
-    let structured = structured(raw.response_format, raw.guided_json, raw.guided_regex, raw.guided_grammar)?;
+    let top_logprobs = top_logprobs(endpoint, raw.logprobs.take(), raw.top_logprobs)?;
+    let tools = tools(&input, raw.tools.take(), raw.tool_choice.take(), raw.parallel_tool_calls)?;
+    let structured = structured(
+        raw.response_format.take(),
+        raw.guided_json.take(),
+        raw.guided_regex.take(),
+        raw.guided_grammar.take(),
+    )?;
     if let (Some(s), Some(_)) = (&structured, tools.as_ref().filter(|t| t.active())) {
         return Err(ApiError::invalid(s.param, format!("'{}' cannot be combined with tools", s.param)));
     }
-
-    let n = raw.n.unwrap_or(1);
-    let prompts = match &input {
-        Input::Chat(_) => 1,
-        Input::Prompts(p) => p.len(),
-    };
-    if n == 0 || n as usize * prompts > MAX_CHOICES {
-        return Err(ApiError::invalid(
-            "n",
-            format!("'n' must be at least 1, and n times the number of prompts at most {MAX_CHOICES}"),
-        ));
-    }
-    if let Some(best_of) = raw.best_of {
-        unsupported(best_of != n, "best_of", "'best_of' other than n is not supported")?;
-    }
-
-    // max_completion_tokens is the newer name; when both are given it wins.
-    let (max_tokens, param) = match (raw.max_completion_tokens, raw.max_tokens) {
-        (Some(m), _) => (Some(m), "max_completion_tokens"),
-        (None, m) => (m, "max_tokens"),
-    };
-    if max_tokens == Some(0) {
-        return Err(ApiError::invalid(param, format!("'{param}' must be at least 1")));
-    }
-
-    let sampling = pb::SamplingParams {
-        temperature: in_range(raw.temperature, "temperature", limits::TEMPERATURE)?,
-        top_p: in_range(raw.top_p, "top_p", limits::TOP_P)?,
-        // -1 means off, as in vLLM.
-        top_k: match raw.top_k {
-            None | Some(-1) | Some(0) => None,
-            Some(k) if k > 0 => Some(k as u32),
-            Some(_) => return Err(ApiError::invalid("top_k", "'top_k' must be -1 (off), 0 (off) or positive")),
-        },
-        min_p: in_range(raw.min_p, "min_p", limits::MIN_P)?,
-        repetition_penalty: in_range(raw.repetition_penalty, "repetition_penalty", limits::REPETITION_PENALTY)?,
-        presence_penalty: in_range(raw.presence_penalty, "presence_penalty", limits::PRESENCE_PENALTY)?,
-        frequency_penalty: in_range(raw.frequency_penalty, "frequency_penalty", limits::FREQUENCY_PENALTY)?,
-        logit_bias: logit_bias(raw.logit_bias.unwrap_or_default())?,
-        seed: raw.seed.map(|s| s as u64),
-    };
-
-    let stop = match raw.stop {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s],
-        Some(Value::Array(items)) => items
-            .into_iter()
-            .map(|v| match v {
-                Value::String(s) => Ok(s),
-                _ => Err(ApiError::invalid("stop", "'stop' must be a string or an array of strings")),
-            })
-            .collect::<Result<_, _>>()?,
-        Some(_) => return Err(ApiError::invalid("stop", "'stop' must be a string or an array of strings")),
-    };
-    if stop.len() > MAX_STOP || stop.iter().any(String::is_empty) {
-        return Err(ApiError::invalid("stop", format!("'stop' takes at most {MAX_STOP} non-empty strings")));
-    }
-
+    let n = choices(&input, raw.n, raw.best_of)?;
+    let max_tokens = max_tokens(raw.max_completion_tokens, raw.max_tokens)?;
+    let sampling = sampling(&mut raw)?;
+    let stop = stop(raw.stop.take())?;
     Ok(Job {
         endpoint,
         model: raw.model,
@@ -287,6 +220,112 @@ fn validate(endpoint: Endpoint, raw: RawRequest) -> Result<Job, ApiError> {
         user: raw.user,
         tools,
     })
+}
+
+/// The endpoint's own input: `messages` for chat, `prompt` for completions.
+fn input(endpoint: Endpoint, messages: Option<Vec<RawMessage>>, prompt: Option<Value>) -> Result<Input, ApiError> {
+    Ok(match endpoint {
+        Endpoint::ChatCompletions => {
+            let messages = messages.ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?;
+            Input::Chat(chat_messages(messages)?)
+        }
+        Endpoint::Completions => {
+            let prompt = prompt.ok_or_else(|| ApiError::invalid("prompt", "'prompt' is required"))?;
+            Input::Prompts(prompts(prompt)?)
+        }
+    })
+}
+
+/// Tools are for chat, where the history's tool turns must answer earlier calls; a
+/// completions request that sends tools is refused, not ignored.
+fn tools(
+    input: &Input,
+    tools: Option<Vec<Value>>,
+    choice: Option<Value>,
+    parallel: Option<bool>,
+) -> Result<Option<Tools>, ApiError> {
+    match input {
+        Input::Chat(messages) => {
+            let tools = tool_request::parse(tools, choice, parallel)?;
+            tool_request::check_tool_turns(messages)?;
+            Ok(tools)
+        }
+        Input::Prompts(_) => {
+            unsupported(tools.is_some_and(|t| !t.is_empty()), "tools", "tools are for /v1/chat/completions")?;
+            Ok(None)
+        }
+    }
+}
+
+/// `n`, within [`MAX_CHOICES`] over all prompts; `best_of` only as `n`.
+fn choices(input: &Input, n: Option<u32>, best_of: Option<u32>) -> Result<u32, ApiError> {
+    let n = n.unwrap_or(1);
+    let prompts = match input {
+        Input::Chat(_) => 1,
+        Input::Prompts(p) => p.len(),
+    };
+    if n == 0 || n as usize * prompts > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            "n",
+            format!("'n' must be at least 1, and n times the number of prompts at most {MAX_CHOICES}"),
+        ));
+    }
+    if let Some(best_of) = best_of {
+        unsupported(best_of != n, "best_of", "'best_of' other than n is not supported")?;
+    }
+    Ok(n)
+}
+
+/// `max_completion_tokens` is the newer name; when both are given it wins.
+fn max_tokens(max_completion_tokens: Option<u32>, max_tokens: Option<u32>) -> Result<Option<u32>, ApiError> {
+    let (max_tokens, param) = match (max_completion_tokens, max_tokens) {
+        (Some(m), _) => (Some(m), "max_completion_tokens"),
+        (None, m) => (m, "max_tokens"),
+    };
+    if max_tokens == Some(0) {
+        return Err(ApiError::invalid(param, format!("'{param}' must be at least 1")));
+    }
+    Ok(max_tokens)
+}
+
+fn sampling(raw: &mut RawRequest) -> Result<pb::SamplingParams, ApiError> {
+    Ok(pb::SamplingParams {
+        temperature: in_range(raw.temperature, "temperature", limits::TEMPERATURE)?,
+        top_p: in_range(raw.top_p, "top_p", limits::TOP_P)?,
+        // -1 means off, as in vLLM.
+        top_k: match raw.top_k {
+            None | Some(-1) | Some(0) => None,
+            Some(k) if k > 0 => Some(k as u32),
+            Some(_) => return Err(ApiError::invalid("top_k", "'top_k' must be -1 (off), 0 (off) or positive")),
+        },
+        min_p: in_range(raw.min_p, "min_p", limits::MIN_P)?,
+        repetition_penalty: in_range(raw.repetition_penalty, "repetition_penalty", limits::REPETITION_PENALTY)?,
+        presence_penalty: in_range(raw.presence_penalty, "presence_penalty", limits::PRESENCE_PENALTY)?,
+        frequency_penalty: in_range(raw.frequency_penalty, "frequency_penalty", limits::FREQUENCY_PENALTY)?,
+        logit_bias: logit_bias(raw.logit_bias.take().unwrap_or_default())?,
+        seed: raw.seed.map(|s| s as u64),
+    })
+}
+
+/// `stop`: a string or an array of at most [`MAX_STOP`] non-empty strings.
+fn stop(stop: Option<Value>) -> Result<Vec<String>, ApiError> {
+    let not_strings = || ApiError::invalid("stop", "'stop' must be a string or an array of strings");
+    let stop = match stop {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(items)) => items
+            .into_iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s),
+                _ => Err(not_strings()),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(not_strings()),
+    };
+    if stop.len() > MAX_STOP || stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", format!("'stop' takes at most {MAX_STOP} non-empty strings")));
+    }
+    Ok(stop)
 }
 
 /// Chat: `logprobs: true` with `top_logprobs` alternatives (0 unless given; given without

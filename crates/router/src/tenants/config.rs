@@ -145,6 +145,21 @@ struct RawTenant {
 }
 
 /// Parse and check a whole tenants file.
+/// What a `key_sha256` entry that is not a hash is told.
+const NOT_A_HASH: &str = "is not a SHA-256 hash (64 lowercase hex digits, as `printf %s \"$KEY\" | sha256sum` \
+                          prints); the file holds hashes of keys, never keys";
+
+/// One entry of the list as a tenant's fields; an error names the field at fault.
+fn raw_tenant(value: serde_norway::Value, label: &str) -> Result<RawTenant, ConfigError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let message = e.into_inner().to_string();
+        // serde names a missing or unknown field in its message; the path is then just ".".
+        let field = if path == "." { field_in_message(&message) } else { path };
+        ConfigError::Field { tenant: label.to_string(), field, message }
+    })
+}
+
 pub fn parse(text: &str) -> Result<TenantsConfig, ConfigError> {
     let file: RawFile = serde_norway::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
     let mut config = TenantsConfig::default();
@@ -156,13 +171,7 @@ pub fn parse(text: &str) -> Result<TenantsConfig, ConfigError> {
             Some(name) => format!("{name:?}"),
             None => format!("#{} (the {} in the list)", index + 1, ordinal(index + 1)),
         };
-        let raw: RawTenant = serde_path_to_error::deserialize(value).map_err(|e| {
-            let path = e.path().to_string();
-            let message = e.into_inner().to_string();
-            // serde names a missing or unknown field in its message; the path is then just ".".
-            let field = if path == "." { field_in_message(&message) } else { path };
-            ConfigError::Field { tenant: label.clone(), field, message }
-        })?;
+        let raw = raw_tenant(value, &label)?;
         let field_error =
             |field: &str, message: String| ConfigError::Field { tenant: label.clone(), field: field.into(), message };
 
@@ -171,14 +180,8 @@ pub fn parse(text: &str) -> Result<TenantsConfig, ConfigError> {
             return Err(field_error("key_sha256", "needs at least one key hash".into()));
         }
         for (k, hex_hash) in raw.key_sha256.iter().enumerate() {
-            let hash = parse_sha256_hex(hex_hash).ok_or_else(|| {
-                field_error(
-                    &format!("key_sha256[{k}]"),
-                    "is not a SHA-256 hash (64 lowercase hex digits, as `printf %s \"$KEY\" | sha256sum` prints); \
-                     the file holds hashes of keys, never keys"
-                        .into(),
-                )
-            })?;
+            let hash = parse_sha256_hex(hex_hash)
+                .ok_or_else(|| field_error(&format!("key_sha256[{k}]"), NOT_A_HASH.into()))?;
             if let Some(&other) = owners.get(&hash) {
                 let first: &str = if other == index { &raw.name } else { &config.tenants[other].name };
                 return Err(ConfigError::DuplicateKey { first: first.to_string(), second: raw.name.clone() });
