@@ -107,10 +107,10 @@ impl Engine {
             vocab: vocab.clone(),
         });
         let (tx, rx) = mpsc::channel();
-        let mut sched = Scheduler::new(s, BlockPool::new(num_blocks, shared.block_size), vocab, stats);
+        let mut sched = Scheduler::new(s, BlockPool::new(num_blocks, shared.block_size), vocab, stats.clone());
         let thread = std::thread::Builder::new()
             .name("bellows-engine".into())
-            .spawn(move || run(&mut sched, backend.as_mut(), rx))
+            .spawn(move || run(&mut sched, backend.as_mut(), rx, &stats))
             .context("spawning the engine thread")?;
         Ok(Engine { handle: EngineHandle { tx, shared }, thread: Some(thread) })
     }
@@ -129,7 +129,7 @@ impl Drop for Engine {
     }
 }
 
-fn run(sched: &mut Scheduler, backend: &mut dyn Backend, rx: mpsc::Receiver<Command>) {
+fn run(sched: &mut Scheduler, backend: &mut dyn Backend, rx: mpsc::Receiver<Command>, stats: &Stats) {
     let mut subscribers: Vec<tmpsc::UnboundedSender<Vec<KvEvent>>> = Vec::new();
     loop {
         // Block only when there is nothing to run.
@@ -158,6 +158,7 @@ fn run(sched: &mut Scheduler, backend: &mut dyn Backend, rx: mpsc::Receiver<Comm
         }
         sched.step(backend);
         publish(sched, &mut subscribers);
+        stats.touch();
     }
 }
 
@@ -189,6 +190,11 @@ impl EngineHandle {
 
     pub fn stats(&self) -> StatsSnapshot {
         self.shared.stats.snapshot()
+    }
+
+    /// Wait until the engine's counters may have changed (see [`Stats::touch`]).
+    pub async fn stats_changed(&self) {
+        self.shared.stats.changed().await;
     }
 
     /// Validate and enqueue a request. Refusals cost no model work. A constrained request's
@@ -271,6 +277,7 @@ impl EngineHandle {
             waiting.fetch_sub(1, Relaxed);
             return Err(SubmitError::ShuttingDown);
         }
+        sh.stats.touch();
         Ok(stream)
     }
 

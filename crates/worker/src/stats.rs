@@ -4,6 +4,10 @@
 //! service exports it as metrics and in load reports). Plain atomics: a reader may see one
 //! counter a step newer than another, never a torn value. The step histograms live under the
 //! same lock as the recent-steps window, so one snapshot of them is self-consistent.
+//!
+//! [`Stats::changed`] wakes whoever watches the gauges (the load sampler) when the engine did
+//! something: a submission, or a pass of its loop. An idle engine notifies nothing, so an idle
+//! node costs next to nothing to watch.
 
 use std::{
     collections::VecDeque,
@@ -51,6 +55,8 @@ pub struct Stats {
     pub decode_step_us: AtomicU64,
     /// Recent decode-only step times (µs) and recent (tokens, µs) for rates.
     recent: Mutex<Recent>,
+    /// Notified when the counters may have changed (see the module docs).
+    changed: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -182,6 +188,17 @@ pub struct StatsSnapshot {
 }
 
 impl Stats {
+    /// The counters may have changed. Cheap with nobody waiting (a permit is stored, so the
+    /// next wait returns at once: no change is missed).
+    pub fn touch(&self) {
+        self.changed.notify_one();
+    }
+
+    /// Wait until [`Stats::touch`] was called since the last wait returned.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
     /// One forward pass: its prefill and decode tokens, its rows, and how long it took.
     pub fn record_step(&self, prefill_tokens: usize, decode_tokens: usize, rows: usize, took: Duration) {
         let us = took.as_micros() as u64;

@@ -123,6 +123,7 @@ async fn a_stream_on_a_frozen_worker_moves_on_once_its_load_reports_stop() {
     // continue elsewhere, long before HTTP/2 keep-alive would give up (10 s + 5 s).
     let request = json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 100, "temperature": 0});
     let (_, _, after_fault) = migrate_mid_stream(request, Fault::Freeze).await;
+    eprintln!("the stream ended {after_fault:?} after its worker froze");
     // At most 2 s of the 100 steps of 20 ms are left after the fault, and 3 s of silence.
     assert!(after_fault < Duration::from_secs(10), "the stream stalled on the frozen worker for {after_fault:?}");
 }

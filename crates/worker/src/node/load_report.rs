@@ -2,9 +2,12 @@
 //!
 //! Routers place requests from these reports alone (no polling, no /metrics scraping), so a
 //! report must be prompt and a cache mirror must be exact:
-//! - One sampler per node reads the engine's counters every [`SAMPLE_EVERY`] and publishes a new
-//!   report when a gauge changed (queue, running, KV use, draining). Rates and step-time
-//!   percentiles ride along but do not by themselves count as a change: they move every step.
+//! - One sampler per node reads the engine's counters when the engine says they may have changed
+//!   (a submission, a step) or the node starts draining, at most every [`SAMPLE_EVERY`] and at
+//!   least every [`REFRESH`], and
+//!   publishes a new report when a gauge changed (queue, running, KV use, draining). Rates and
+//!   step-time percentiles ride along but do not by themselves count as a change: they move
+//!   every step. An idle engine says nothing, so an idle node's sampler sleeps.
 //! - Each subscriber gets a message on every published change, on every batch of KV events, and
 //!   at least every [`HEARTBEAT`] otherwise, so a silent stream means a dead worker.
 //! - The first message carries the snapshot of cached block hashes taken together with the event
@@ -16,7 +19,7 @@ use std::{pin::Pin, sync::Arc, time::Duration};
 use bellows_proto::worker::v1 as pb;
 use tokio::{
     sync::{mpsc, watch},
-    time::{Instant, MissedTickBehavior},
+    time::Instant,
 };
 use tokio_stream::{Stream, wrappers::ReceiverStream};
 use tonic::Status;
@@ -28,8 +31,11 @@ use crate::{
     stats::StatsSnapshot,
 };
 
-/// How often the sampler reads the engine's counters.
+/// The sampler reads the engine's counters at most this often (a busy engine changes them every
+/// step)...
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(10);
+/// ... and at least this often, so the rates a report carries stay fresh.
+pub const REFRESH: Duration = Duration::from_secs(1);
 /// The longest a subscriber waits between two messages.
 pub const HEARTBEAT: Duration = Duration::from_millis(250);
 
@@ -67,14 +73,16 @@ fn gauges(r: &pb::LoadReport) -> (u32, u64, u32, u32, u32, bool) {
 
 /// Start the node's sampler; it stops when the node closes.
 pub fn spawn_sampler(engine: EngineHandle, caps: Caps, lifecycle: Arc<Lifecycle>) -> watch::Receiver<pb::LoadReport> {
+    let mut phase = lifecycle.watch();
+    let watched = engine.clone();
     let sample = move || report(&engine.stats(), caps, lifecycle.phase() >= Phase::Draining);
     let (tx, rx) = watch::channel(sample());
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(SAMPLE_EVERY);
-        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = tick.tick() => {}
+                _ = watched.stats_changed() => {}
+                r = phase.changed() => if r.is_err() { return },
+                _ = tokio::time::sleep(REFRESH) => {}
                 _ = tx.closed() => return,
             }
             let next = sample();
@@ -84,6 +92,8 @@ pub fn spawn_sampler(engine: EngineHandle, caps: Caps, lifecycle: Arc<Lifecycle>
                 *cur = next;
                 changed
             });
+            // A change during this pause is kept by the notification, not lost.
+            tokio::time::sleep(SAMPLE_EVERY).await;
         }
     });
     rx
