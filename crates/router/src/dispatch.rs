@@ -239,7 +239,10 @@ impl Dispatcher {
             bellows.cost.queued_work = Empty,
         );
         let tokens = shape.tokens;
-        let placed = placement::place(pool, self.policy.as_ref(), shape, &progress.tried, self.placement_memory)?;
+        let started = std::time::Instant::now();
+        let placed = placement::place(pool, self.policy.as_ref(), shape, &progress.tried, self.placement_memory);
+        self.metrics.placement_duration.observe(started.elapsed().as_secs_f64());
+        let placed = placed?;
         span.record("bellows.candidates", placed.candidates);
         span.record("bellows.worker", placed.worker.node_id.as_str());
         span.record("bellows.matched_blocks", placed.cached_blocks);

@@ -57,6 +57,8 @@ fn gaps() -> Histogram {
 /// Seconds: 1 ms to 2 min, roughly doubling.
 const SECONDS: &[f64] =
     &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+/// Placement decisions: 1 us to 10 ms.
+const PLACEMENT: &[f64] = &[1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2];
 /// Inter-token gaps: 1 ms to 2 s.
 const GAPS: &[f64] = &[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0];
 
@@ -67,6 +69,8 @@ pub struct Metrics {
     pub retries: Counter,
     pub migrations: Counter,
     pub placements: Family<PolicyLabels, Counter>,
+    /// How long each placement decision took (score the candidates, choose one).
+    pub placement_duration: Histogram,
     pub prompt_tokens: Counter,
     pub predicted_cached_tokens: Counter,
     pub cached_tokens: Counter,
@@ -83,6 +87,8 @@ pub struct Metrics {
     /// Worker answers received on sessions and not yet taken by their requests: what slow
     /// readers hold in this router.
     pub session_buffered: Gauge,
+    /// (block, worker) entries in the prefix indexes of every model.
+    pub prefix_index_entries: Gauge,
 }
 
 /// One model's latency histograms, looked up once per request rather than per token.
@@ -113,6 +119,7 @@ impl Metrics {
             retries: Counter::default(),
             migrations: Counter::default(),
             placements: Family::default(),
+            placement_duration: Histogram::new(PLACEMENT.iter().copied()),
             prompt_tokens: Counter::default(),
             predicted_cached_tokens: Counter::default(),
             cached_tokens: Counter::default(),
@@ -127,6 +134,7 @@ impl Metrics {
             worker_running: Family::default(),
             membership_changes: Family::default(),
             session_buffered: Gauge::default(),
+            prefix_index_entries: Gauge::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -135,6 +143,11 @@ impl Metrics {
         r.register("retries", "Worker attempts retried on another worker before the first token", m.retries.clone());
         r.register("migrations", "Streams moved to another worker after their worker failed", m.migrations.clone());
         r.register("placements", "Placement decisions, by policy", m.placements.clone());
+        r.register(
+            "placement_duration_seconds",
+            "Time one placement decision took: score the candidates and choose one",
+            m.placement_duration.clone(),
+        );
         r.register("prompt_tokens", "Prompt tokens of placed requests", m.prompt_tokens.clone());
         r.register(
             "predicted_cached_tokens",
@@ -172,6 +185,11 @@ impl Metrics {
             m.worker_running.clone(),
         );
         r.register("membership_changes", "Workers joining and leaving", m.membership_changes.clone());
+        r.register(
+            "prefix_index_entries",
+            "Cached blocks this router believes each worker holds, summed over workers and models",
+            m.prefix_index_entries.clone(),
+        );
         r.register(
             "session_buffered_messages",
             "Worker messages received on session streams and not yet taken by their requests (slow readers)",

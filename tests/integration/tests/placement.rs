@@ -33,3 +33,26 @@ async fn each_tenants_prefix_stays_where_it_is_cached_so_every_repeat_hits() {
         }
     }
 }
+
+#[tokio::test]
+async fn the_router_reports_how_long_placement_takes_and_how_big_its_prefix_index_is() {
+    let workers = [Worker::start(&sim("{}")).await, Worker::start(&sim("{}")).await];
+    let router = Router::with_workers(&workers.iter().collect::<Vec<_>>(), &["--policy", "cache_aware"]).await;
+    assert_eq!(router.metric("bellows_router_prefix_index_entries").await, 0.0, "nothing cached yet");
+    // Two prompts of 5 full blocks each, on whichever workers placement picks.
+    for first in [1u32, 500] {
+        let prompt: Vec<u32> = (first..first + 80).collect();
+        let (status, _, reply) =
+            router.post("/v1/completions", &json!({"model": "sim", "prompt": prompt, "max_tokens": 1})).await;
+        assert_eq!(status, 200, "{reply}");
+    }
+    let placed = router.metric("bellows_router_placements_total").await;
+    assert_eq!(router.metric("bellows_router_placement_duration_seconds_count").await, placed);
+    // Placement remembers the 10 blocks it sent, and the workers then report them stored.
+    bellows_integration::eventually(
+        "the prefix index holds the stored blocks",
+        std::time::Duration::from_secs(10),
+        || async { (router.metric("bellows_router_prefix_index_entries").await >= 10.0).then_some(()) },
+    )
+    .await;
+}

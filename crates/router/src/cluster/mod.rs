@@ -152,6 +152,9 @@ impl Cluster {
             self.metrics.worker_waiting.get_or_create(&labels).set(i64::from(load.waiting_requests));
             self.metrics.worker_running.get_or_create(&labels).set(i64::from(load.running));
         }
+        drop(links);
+        let entries: usize = self.models().iter().map(|p| p.index.lock().expect("prefix index lock").entries()).sum();
+        self.metrics.prefix_index_entries.set(entries as i64);
     }
 
     /// At least one model has a worker that can take work.

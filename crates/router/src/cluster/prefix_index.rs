@@ -36,7 +36,6 @@ pub struct PrefixIndex {
 }
 
 impl PrefixIndex {
-    /// The worker reported it cached this block.
     /// Apply one load-stream message: its snapshot (replacing what the worker had), then its
     /// events in order.
     pub fn apply(&mut self, worker: WorkerId, msg: &pb::WatchLoadResponse) {
@@ -55,6 +54,7 @@ impl PrefixIndex {
         }
     }
 
+    /// The worker reported it cached this block.
     pub fn stored(&mut self, worker: WorkerId, hash: u64) {
         let holders = self.blocks.entry(hash).or_default();
         match holders.iter_mut().find(|h| h.worker == worker) {
@@ -127,6 +127,11 @@ impl PrefixIndex {
     #[cfg(test)]
     fn len(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// (block, worker) entries held: what the index's memory grows with.
+    pub fn entries(&self) -> usize {
+        self.blocks.values().map(Vec::len).sum()
     }
 }
 

@@ -29,7 +29,9 @@ type Route = mpsc::UnboundedSender<session_response::Kind>;
 #[derive(Debug)]
 pub struct SessionChannel {
     frames: mpsc::UnboundedSender<pb::SessionRequest>,
-    routes: Mutex<HashMap<u64, Route>>,
+    /// `None` once the channel is closed: a request opened after that fails at once rather
+    /// than waiting for answers nobody will route.
+    routes: Mutex<Option<HashMap<u64, Route>>>,
     next_id: AtomicU64,
     /// Answers received and not yet taken by their requests (all sessions of this router).
     buffered: Gauge,
@@ -38,7 +40,8 @@ pub struct SessionChannel {
 impl SessionChannel {
     /// A channel over a stream whose outgoing frames are read from the other end of `frames`.
     pub fn new(frames: mpsc::UnboundedSender<pb::SessionRequest>, buffered: Gauge) -> Arc<Self> {
-        Arc::new(SessionChannel { frames, routes: Mutex::default(), next_id: AtomicU64::new(1), buffered })
+        let routes = Mutex::new(Some(HashMap::new()));
+        Arc::new(SessionChannel { frames, routes, next_id: AtomicU64::new(1), buffered })
     }
 
     /// Send a request and wait for the worker to accept it (or refuse it).
@@ -49,7 +52,10 @@ impl SessionChannel {
     ) -> Result<SessionCall, WorkerError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, answers) = mpsc::unbounded_channel();
-        self.routes.lock().expect("session routes lock").insert(id, tx);
+        match self.routes.lock().expect("session routes lock").as_mut() {
+            Some(routes) => routes.insert(id, tx),
+            None => return Err(WorkerError::Failed("the worker's session is closed".into())),
+        };
         let open = pb::SessionOpen { request: Some(request), trace_context };
         let mut call = SessionCall { id, answers, channel: self.clone(), done: false };
         if self.frames.send(pb::SessionRequest { id, kind: Some(session_request::Kind::Open(open)) }).is_err() {
@@ -88,9 +94,11 @@ impl SessionChannel {
     fn route(&self, frame: pb::SessionResponse) {
         let Some(kind) = frame.kind else { return };
         let last = matches!(kind, session_response::Kind::Finished(_) | session_response::Kind::Error(_));
-        let mut routes = self.routes.lock().expect("session routes lock");
-        let route = if last { routes.remove(&frame.id) } else { routes.get(&frame.id).cloned() };
-        drop(routes);
+        let route = match self.routes.lock().expect("session routes lock").as_mut() {
+            Some(routes) if last => routes.remove(&frame.id),
+            Some(routes) => routes.get(&frame.id).cloned(),
+            None => None,
+        };
         // A request that went away meanwhile has sent its Cancel: drop the frame.
         if let Some(route) = route
             && route.send(kind).is_ok()
@@ -100,7 +108,9 @@ impl SessionChannel {
     }
 
     fn cancel(&self, id: u64) {
-        self.routes.lock().expect("session routes lock").remove(&id);
+        if let Some(routes) = self.routes.lock().expect("session routes lock").as_mut() {
+            routes.remove(&id);
+        }
         let cancel = pb::SessionRequest { id, kind: Some(session_request::Kind::Cancel(pb::SessionCancel {})) };
         let _ = self.frames.send(cancel);
     }
@@ -110,7 +120,7 @@ pub struct Closing(Arc<SessionChannel>);
 
 impl Drop for Closing {
     fn drop(&mut self) {
-        self.0.routes.lock().expect("session routes lock").clear();
+        *self.0.routes.lock().expect("session routes lock") = None;
     }
 }
 
