@@ -35,6 +35,9 @@ enum Cmd {
     /// Serve the model as a cluster node: gRPC (Generate, ModelInfo, WatchLoad, health), etcd
     /// registration, graceful drain on SIGTERM/SIGINT.
     Serve(Box<ServeArgs>),
+    /// Run many nodes in one process (each its own gRPC port, node id, engine and KV pool), for
+    /// tests and benchmarks of a large cluster; `--engine sim` makes a thousand cheap.
+    Fleet(Box<node::fleet::FleetArgs>),
 }
 
 #[derive(Args)]
@@ -81,9 +84,11 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     // A node logs one line per request; the terminal tools only warnings.
     // A node sets up its own logging and tracing (bellows_common::telemetry) on its runtime.
-    if let Cmd::Serve(a) = cli.cmd {
-        return node::run(*a);
-    }
+    let cli = match cli.cmd {
+        Cmd::Serve(a) => return node::run(*a),
+        Cmd::Fleet(a) => return node::fleet::run(*a),
+        cmd => Cli { cmd },
+    };
     let default_filter = "warn";
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -95,7 +100,7 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Generate(a) => generate(a),
         Cmd::Bench(a) => bench::run(a),
-        Cmd::Serve(_) => unreachable!("handled above"),
+        Cmd::Serve(_) | Cmd::Fleet(_) => unreachable!("handled above"),
     }
 }
 

@@ -322,7 +322,10 @@ async fn watch_load(
             Ok(Ok(None)) => anyhow::bail!("load stream ended"),
             Ok(Ok(Some(msg))) => msg,
         };
-        pool.index.lock().expect("prefix index lock").apply(link.id, &msg);
+        // Most reports carry no cache change: they need not take the index from placement.
+        if msg.kv_snapshot.is_some() || !msg.kv_events.is_empty() {
+            pool.index.lock().expect("prefix index lock").apply(link.id, &msg);
+        }
         if let Some(report) = msg.load {
             link.apply_report(report, first);
             if first {

@@ -1,7 +1,10 @@
 //! The workers of one model, and what they share: the tokenizer, the prefix-hash geometry and
 //! the index of which worker holds which block.
 
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{
+    Arc, Mutex, RwLock,
+    atomic::{AtomicUsize, Ordering},
+};
 
 use bellows_common::prefix_hash::{BlockHash, ChainRoot, prefix_block_hashes};
 use bellows_proto::worker::v1 as pb;
@@ -16,6 +19,9 @@ pub struct ModelPool {
     pub block_size: usize,
     pub vocab_size: u32,
     workers: RwLock<Vec<Arc<WorkerLink>>>,
+    /// The smallest context length of the workers, kept as they join and leave (read per
+    /// request, so it must not cost a pass over a large pool).
+    context_length: AtomicUsize,
     pub index: Mutex<PrefixIndex>,
 }
 
@@ -28,6 +34,7 @@ impl ModelPool {
             block_size: info.kv_block_size as usize,
             vocab_size: info.vocab_size,
             workers: RwLock::new(Vec::new()),
+            context_length: AtomicUsize::new(0),
             index: Mutex::new(PrefixIndex::default()),
         })
     }
@@ -53,11 +60,19 @@ impl ModelPool {
             w.push(link.clone());
             w.sort_by_key(|l| l.id);
         }
+        // A rejoining worker may come back with another context length.
+        self.update_context_length(&w);
+    }
+
+    fn update_context_length(&self, workers: &[Arc<WorkerLink>]) {
+        let min = workers.iter().map(|l| l.context_length()).filter(|&c| c > 0).min().unwrap_or(0);
+        self.context_length.store(min as usize, Ordering::Relaxed);
     }
 
     pub(super) fn remove(&self, link: &WorkerLink) -> bool {
         let mut w = self.workers.write().expect("pool lock");
         w.retain(|l| l.id != link.id);
+        self.update_context_length(&w);
         self.index.lock().expect("prefix index lock").forget_worker(link.id);
         w.is_empty()
     }
@@ -69,7 +84,7 @@ impl ModelPool {
 
     /// The longest prompt + completion every worker accepts (0 with no workers).
     pub fn context_length(&self) -> usize {
-        self.with_workers(|w| w.iter().map(|l| l.context_length()).filter(|&c| c > 0).min().unwrap_or(0) as usize)
+        self.context_length.load(Ordering::Relaxed)
     }
 
     pub fn has_placeable_worker(&self) -> bool {

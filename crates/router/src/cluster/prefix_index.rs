@@ -129,6 +129,11 @@ impl PrefixIndex {
         self.blocks.len()
     }
 
+    /// The workers holding this block now (reported, or placed there within the memory).
+    pub fn holders(&self, hash: u64, now: Instant) -> Vec<WorkerId> {
+        self.blocks.get(&hash).map_or_else(Vec::new, |h| h.iter().filter(|h| h.holds(now)).map(|h| h.worker).collect())
+    }
+
     /// (block, worker) entries held: what the index's memory grows with.
     pub fn entries(&self) -> usize {
         self.blocks.values().map(Vec::len).sum()

@@ -48,6 +48,13 @@ impl Policy for CacheAware {
         true
     }
 
+    /// Probe by the home block: its holders, and the workers its rendezvous ranks first, among
+    /// them the home. A prompt shorter than a block probes a random few.
+    fn probe_key(&self, prompt: PromptShape<'_>) -> Option<u64> {
+        let depth = prompt.hashes.len().min(HOME_BLOCK);
+        Some(if depth == 0 { rand::random() } else { prompt.hashes[depth - 1].0 })
+    }
+
     fn choose(&self, candidates: &[Candidate], prompt: PromptShape<'_>) -> usize {
         let start = self.tie_break.fetch_add(1, Ordering::Relaxed);
         let cost = |c: &Candidate| score::total_cost(c, prompt);

@@ -17,6 +17,7 @@ use std::{
 };
 
 use bellows_common::prefix_hash::BlockHash;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::cluster::{Load, ModelPool, WorkerId, WorkerLink};
 
@@ -75,7 +76,21 @@ pub trait Policy: Send + Sync {
 
     /// The index of the chosen candidate; `candidates` is never empty.
     fn choose(&self, candidates: &[Candidate], prompt: PromptShape<'_>) -> usize;
+
+    /// In a pool of more than [`PROBE_ABOVE`] workers, a policy may look at a few of them
+    /// only: the workers holding the block this key names plus the [`PROBES`] workers that a
+    /// rendezvous hash with the key ranks first (the same on every router). `None`: look at
+    /// every worker.
+    fn probe_key(&self, _prompt: PromptShape<'_>) -> Option<u64> {
+        None
+    }
 }
+
+/// Pools up to this size are scanned whole; larger ones are probed (see [`Policy::probe_key`]),
+/// so placement costs the same with a thousand workers as with a few dozen.
+pub const PROBE_ABOVE: usize = 64;
+/// Workers probed besides the holders.
+pub const PROBES: usize = 16;
 
 pub fn policy(kind: PolicyKind) -> Box<dyn Policy> {
     match kind {
@@ -106,10 +121,21 @@ pub fn place(
     exclude: &[WorkerId],
     memory: Duration,
 ) -> Option<Placement> {
+    let now = Instant::now();
+    let key = policy.probe_key(prompt);
+    let holders = match key {
+        Some(k) => pool.index.lock().expect("prefix index lock").holders(k, now),
+        None => Vec::new(),
+    };
     let (links, mut candidates): (Vec<Arc<WorkerLink>>, Vec<Candidate>) = pool.with_workers(|workers| {
-        workers
-            .iter()
-            .filter(|w| !exclude.contains(&w.id))
+        let probed = key
+            .filter(|_| workers.len() > PROBE_ABOVE)
+            .map(|k| probe(workers, |w| (w.id, w.stable_id), k, &holders, exclude));
+        let pick: Box<dyn Iterator<Item = &Arc<WorkerLink>>> = match &probed {
+            Some(chosen) => Box::new(chosen.iter().map(|&i| &workers[i])),
+            None => Box::new(workers.iter()),
+        };
+        pick.filter(|w| !exclude.contains(&w.id))
             .filter_map(|w| {
                 w.load()
                     .map(|load| (w.clone(), Candidate { worker: w.id, stable_id: w.stable_id, load, cached_blocks: 0 }))
@@ -119,7 +145,6 @@ pub fn place(
     if candidates.is_empty() {
         return None;
     }
-    let now = Instant::now();
     if policy.uses_prefix_cache() && !prompt.hashes.is_empty() {
         let ids: Vec<WorkerId> = candidates.iter().map(|c| c.worker).collect();
         let mut matched = Vec::with_capacity(ids.len());
@@ -140,6 +165,33 @@ pub fn place(
         uncached_tokens: score::uncached_tokens(chosen, prompt),
         queued_work: score::queued_work(chosen),
     })
+}
+
+/// The workers to look at in a large pool: those holding the key's block, and the [`PROBES`]
+/// others a rendezvous hash with the key ranks first (hashing costs nanoseconds a worker; reading
+/// a worker's load takes its lock). Tried workers are left out before ranking, so a retry probes
+/// as many fresh ones.
+fn probe<W>(
+    workers: &[W],
+    id: impl Fn(&W) -> (WorkerId, u64),
+    key: u64,
+    holders: &[WorkerId],
+    exclude: &[WorkerId],
+) -> Vec<usize> {
+    let mut ranked: Vec<(u64, usize)> = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (id(w), i))
+        .filter(|((w, _), _)| !exclude.contains(w) && !holders.contains(w))
+        .map(|((_, stable), i)| (xxh3_64_with_seed(&stable.to_le_bytes(), key), i))
+        .collect();
+    let first = PROBES.min(ranked.len());
+    if first < ranked.len() {
+        ranked.select_nth_unstable_by(first, |a, b| b.0.cmp(&a.0));
+    }
+    let mut chosen: Vec<usize> = ranked[..first].iter().map(|&(_, i)| i).collect();
+    chosen.extend((0..workers.len()).filter(|&i| holders.contains(&id(&workers[i]).0)));
+    chosen
 }
 
 /// The candidate with the lowest `cost`; ties go to the first at or after `start` (rotating
@@ -184,6 +236,33 @@ mod tests {
 
     fn shape(hashes: &[BlockHash]) -> PromptShape<'_> {
         PromptShape { tokens: hashes.len() * 16, block_size: 16, hashes }
+    }
+
+    #[test]
+    fn a_large_pool_is_probed_by_its_holders_and_the_same_first_ranked_few_on_every_router() {
+        let workers: Vec<(WorkerId, u64)> = (0..1000).map(|i| (WorkerId(i), 77 + i * 31)).collect();
+        let holders = [WorkerId(5), WorkerId(900)];
+        let chosen = probe(&workers, |w| *w, 42, &holders, &[]);
+        assert_eq!(chosen.len(), PROBES + holders.len());
+        assert!(chosen.contains(&5) && chosen.contains(&900), "every holder is probed");
+        // Another router knows the same workers in another order and under other ids.
+        let other: Vec<(WorkerId, u64)> = workers.iter().rev().map(|&(id, s)| (WorkerId(id.0 + 5000), s)).collect();
+        let stable = |list: &[(WorkerId, u64)], picked: &[usize]| {
+            let mut s: Vec<u64> = picked.iter().map(|&i| list[i].1).collect();
+            s.sort_unstable();
+            s
+        };
+        let theirs = probe(&other, |w| *w, 42, &[WorkerId(5005), WorkerId(5900)], &[]);
+        assert_eq!(stable(&workers, &chosen), stable(&other, &theirs), "the same workers on every router");
+        // A retry probes as many again, none of them tried.
+        let tried: Vec<WorkerId> = chosen.iter().map(|&i| workers[i].0).filter(|w| !holders.contains(w)).collect();
+        let retry = probe(&workers, |w| *w, 42, &holders, &tried);
+        assert_eq!(retry.len(), PROBES + holders.len());
+        assert!(retry.iter().all(|&i| !tried.contains(&workers[i].0)));
+        // Another key, mostly other workers: load spreads over the pool.
+        let elsewhere = probe(&workers, |w| *w, 43, &[], &[]);
+        let shared = elsewhere.iter().filter(|i| chosen.contains(i)).count();
+        assert!(shared < PROBES / 2, "{shared} of {PROBES} shared between two keys");
     }
 
     #[test]

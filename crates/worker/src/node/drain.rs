@@ -102,6 +102,27 @@ impl Lifecycle {
     }
 }
 
+/// Where a node's stop requests come from: the process's own signals (`serve`), or the signals
+/// a fleet's process received, handed to each of its nodes (`fleet`).
+pub enum Stops {
+    Signals(Signals),
+    Fleet(watch::Receiver<Option<&'static str>>),
+}
+
+impl Stops {
+    /// The next stop request; returns the signal's name.
+    pub async fn next(&mut self) -> &'static str {
+        match self {
+            Stops::Signals(s) => s.next().await,
+            Stops::Fleet(rx) => {
+                // The fleet's process is going away when its sender is: stop too.
+                let _ = rx.changed().await;
+                rx.borrow_and_update().unwrap_or("SIGTERM")
+            }
+        }
+    }
+}
+
 /// Listens for SIGTERM and SIGINT. Installed at start, so a signal while the model loads is
 /// handled too rather than killing the process mid-write.
 pub struct Signals {

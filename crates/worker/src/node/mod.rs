@@ -11,6 +11,9 @@
 //!    requests finish (up to `--drain-timeout`), close the streams that never end by themselves,
 //!    exit 0. A second signal skips the wait.
 //!
+//! `bellows-worker fleet` runs many such nodes in one process ([`fleet`]), for tests and
+//! benchmarks of a large cluster.
+//!
 //! One concern per module: [`args`] (flags), [`model`] (starting the engine, ModelInfo),
 //! [`grpc`] (the service), [`load_report`] (WatchLoad), [`registration`] (etcd), [`drain`]
 //! (lifecycle and admission), [`status`] (errors to gRPC codes), [`metrics`] (Prometheus
@@ -18,6 +21,7 @@
 
 pub mod args;
 pub mod drain;
+pub mod fleet;
 pub mod grpc;
 pub mod load_report;
 pub mod metrics;
@@ -35,7 +39,7 @@ use tonic::transport::{Server, server::TcpIncoming};
 use tonic_health::{ServingStatus, server::HealthReporter};
 
 pub use args::ServeArgs;
-use drain::{Lifecycle, Phase, Signals};
+use drain::{Lifecycle, Phase, Signals, Stops};
 use grpc::{Ready, WorkerService};
 use metrics::{Counted, NodeMetrics};
 use registration::{Registration, RegistrationConfig};
@@ -59,9 +63,20 @@ pub fn run(args: ServeArgs) -> Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
-    let mut signals = Signals::install().context("installing signal handlers")?;
+    let signals = Signals::install().context("installing signal handlers")?;
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+    serve_node(args, listener, Stops::Signals(signals), true).await
+}
+
+/// One node on `listener` until `stops` says stop (see the module docs); `/metrics` on its own
+/// port when `metrics` (a fleet's nodes have none).
+pub(crate) async fn serve_node(
+    args: ServeArgs,
+    listener: tokio::net::TcpListener,
+    mut stops: Stops,
+    metrics: bool,
+) -> Result<()> {
     let local = listener.local_addr()?;
     let node_id = args.node_id.clone().unwrap_or_else(|| format!("{}-{}", hostname(), local.port()));
     let advertise = args.advertise_address.clone().unwrap_or_else(|| advertised(local));
@@ -73,7 +88,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     set_health(&health, ServingStatus::NotServing).await;
     let service = WorkerService::new(node_id.clone(), lifecycle.clone(), args.log_prompts, args.protocol_version);
     let node_metrics = NodeMetrics::new();
-    let metrics_server = metrics::serve(args.metrics_listen, node_metrics.clone()).await?;
+    let metrics_server = if metrics { metrics::serve(args.metrics_listen, node_metrics.clone()).await? } else { None };
     let server = {
         let closed = lifecycle.clone();
         let counted = Counted { inner: service.clone(), metrics: node_metrics.clone() };
@@ -93,7 +108,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let load_args = args.clone();
     let loaded = tokio::select! {
         r = tokio::task::spawn_blocking(move || model::load(&load_args)) => r.context("the model loader panicked")??,
-        sig = signals.next() => {
+        sig = stops.next() => {
             tracing::info!(signal = sig, "stopped while loading the model");
             lifecycle.advance(Phase::Closed);
             return Ok(());
@@ -131,7 +146,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         .then(|| Registration::spawn(RegistrationConfig { endpoints, key, record, ttl: args.lease_ttl }));
     tracing::info!(node_id, "serving");
 
-    let sig = signals.next().await;
+    let sig = stops.next().await;
     tracing::info!(signal = sig, in_flight = lifecycle.in_flight(), "draining");
     if let Some(r) = registration {
         r.deregister().await;
@@ -142,7 +157,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         left = lifecycle.wait_idle(args.drain_timeout) => if left > 0 {
             tracing::warn!(abandoned = left, timeout = ?args.drain_timeout, "drain timeout: abandoning requests");
         },
-        sig = signals.next() => tracing::warn!(signal = sig, abandoned = lifecycle.in_flight(), "second signal: not waiting"),
+        sig = stops.next() => tracing::warn!(signal = sig, abandoned = lifecycle.in_flight(), "second signal: not waiting"),
     }
     lifecycle.advance(Phase::Closed);
     // Stopping the engine fails whatever is left, which ends those streams.
