@@ -165,7 +165,8 @@ pub struct Process {
 }
 
 impl Process {
-    fn spawn(name: &'static str, bin: PathBuf, args: Vec<String>, addr: String, env: &[(&str, &str)]) -> Process {
+    /// Start `bin` with `args`; `addr` names what it serves, for messages.
+    pub fn spawn(name: &'static str, bin: PathBuf, args: Vec<String>, addr: String, env: &[(&str, &str)]) -> Process {
         let dir = TempDir::new().unwrap();
         let log = dir.path().join(format!("{name}.log"));
         let file = File::create(&log).unwrap();

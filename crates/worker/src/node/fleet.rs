@@ -1,6 +1,6 @@
 //! `bellows-worker fleet`: many nodes in one process, for tests and benchmarks of a large cluster.
 //!
-//! Each node is the real node ([`super::serve_node`]): its own gRPC listener, node id, engine
+//! Each node is the real node (what `serve` runs): its own gRPC listener, node id, engine
 //! thread, scheduler and KV pool, its own etcd registration and drain. Only the process is
 //! shared: one async runtime, one set of signal handlers (a signal stops every node, each
 //! draining as a lone node would), no `/metrics` port per node. With the simulated engine a
@@ -10,7 +10,6 @@ use std::{
     io::Write,
     net::{IpAddr, SocketAddr},
     path::PathBuf,
-    time::Duration,
 };
 
 use anyhow::{Context, Result};
@@ -20,7 +19,7 @@ use tokio::{sync::watch, task::JoinSet};
 use super::{
     ServeArgs,
     drain::{Signals, Stops},
-    serve_node,
+    on_runtime, serve_node,
 };
 
 #[derive(Debug, Clone, Args)]
@@ -48,15 +47,7 @@ pub struct FleetArgs {
 }
 
 pub fn run(args: FleetArgs) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let result = rt.block_on(async {
-        let telemetry = bellows_common::telemetry::init("bellows-worker", args.serve.log_format);
-        let result = fleet(args).await;
-        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
-        result
-    });
-    rt.shutdown_timeout(Duration::from_millis(100));
-    result
+    on_runtime(args.serve.log_format, fleet(args))
 }
 
 async fn fleet(args: FleetArgs) -> Result<()> {

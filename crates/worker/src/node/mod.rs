@@ -49,10 +49,20 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// Run a node until it is stopped by a signal.
 pub fn run(args: ServeArgs) -> Result<()> {
+    let log_format = args.log_format;
+    on_runtime(log_format, serve(args))
+}
+
+/// Run `body` on a runtime of its own, with the node's logging and tracing set up first and
+/// flushed after.
+pub(crate) fn on_runtime(
+    log_format: bellows_common::telemetry::LogFormat,
+    body: impl Future<Output = Result<()>>,
+) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let result = rt.block_on(async {
-        let telemetry = bellows_common::telemetry::init("bellows-worker", args.log_format);
-        let result = serve(args).await;
+        let telemetry = bellows_common::telemetry::init("bellows-worker", log_format);
+        let result = body.await;
         // Flushing blocks on the exporter: off the async threads.
         let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
         result
