@@ -45,7 +45,7 @@ Bellows is up: OpenAI API at http://127.0.0.1:$port/v1 (model "$model", ${#worke
   curl http://127.0.0.1:$port/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "$model", "messages": [{"role": "user", "content": "Tell me a short story."}], "max_tokens": 64}'
 
-  python3 -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:$port/v1", api_key="none"); print(c.chat.completions.create(model="$model", messages=[{"role": "user", "content": "Hi!"}]).choices[0].message.content)'
+  PYTHONPATH="${BELLOWS_PY_OPENAI:-$HOME/.cache/bellows/py-openai}" python3 -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:$port/v1", api_key="none"); print(c.chat.completions.create(model="$model", messages=[{"role": "user", "content": "Hi!"}]).choices[0].message.content)'
 
   Structured output (JSON matching a schema; tools, logprobs: docs/structured-outputs.md):
   curl http://127.0.0.1:$port/v1/chat/completions -H 'Content-Type: application/json' \\
