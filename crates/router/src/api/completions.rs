@@ -310,12 +310,7 @@ async fn answer(
     drop(tx);
     // The reply ends once every choice is done (or one failed): dropping its receiver then
     // stops the rest.
-    let ((), answer) = tokio::join!(
-        async {
-            work.await;
-        },
-        reply.whole(rx)
-    );
+    let (_, answer) = tokio::join!(work, reply.whole(rx));
     answer
 }
 

@@ -145,7 +145,7 @@ impl WorkerLink {
     /// The RPC a request to this worker travels in: `Session` (protocol 2) or `Generate`.
     pub fn rpc_method(&self) -> &'static str {
         let protocol_version = self.state.lock().expect("link state lock").protocol_version;
-        if protocol_version >= bellows_proto::SESSION_PROTOCOL { "Session" } else { "Generate" }
+        if speaks_session(protocol_version) { "Session" } else { "Generate" }
     }
 
     /// Send `request` to the worker and wait until it accepts it; `span` is the attempt's span,
@@ -158,7 +158,7 @@ impl WorkerLink {
         if let Some(session) = session {
             return session.open(request, telemetry::inject_map(span)).await.map(WorkerCall::Session);
         }
-        if protocol_version >= bellows_proto::SESSION_PROTOCOL {
+        if speaks_session(protocol_version) {
             return Err(WorkerError::Failed("the worker's link is down".into()));
         }
         let mut request = tonic::Request::new(request);
@@ -271,6 +271,11 @@ async fn maintain(link: Weak<WorkerLink>, cluster: Weak<Cluster>) {
     }
 }
 
+/// Whether a worker of this protocol version takes requests on a Session stream.
+fn speaks_session(protocol_version: u32) -> bool {
+    protocol_version >= bellows_proto::SESSION_PROTOCOL
+}
+
 /// One life of the link: ModelInfo, the pool, the session (protocol 2), then the load stream
 /// and the session's answers until either ends.
 async fn follow(
@@ -287,7 +292,7 @@ async fn follow(
         s.protocol_version = info.protocol_version;
     }
     let pool = cluster.attach(link, &info)?;
-    let session = if info.protocol_version >= bellows_proto::SESSION_PROTOCOL {
+    let session = if speaks_session(info.protocol_version) {
         let (frames, outgoing) = mpsc::unbounded_channel();
         let answers = client.session(UnboundedReceiverStream::new(outgoing)).await?.into_inner();
         Some((SessionChannel::new(frames, cluster.metrics.session_buffered.clone()), answers))

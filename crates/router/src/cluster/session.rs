@@ -94,15 +94,16 @@ impl SessionChannel {
     fn route(&self, frame: pb::SessionResponse) {
         let Some(kind) = frame.kind else { return };
         let last = matches!(kind, session_response::Kind::Finished(_) | session_response::Kind::Error(_));
-        let route = match self.routes.lock().expect("session routes lock").as_mut() {
-            Some(routes) if last => routes.remove(&frame.id),
-            Some(routes) => routes.get(&frame.id).cloned(),
-            None => None,
+        // Sent under the lock (an unbounded send never waits): no sender clone per message. A
+        // request that went away meanwhile has sent its Cancel: its frame is dropped.
+        let mut routes = self.routes.lock().expect("session routes lock");
+        let Some(routes) = routes.as_mut() else { return };
+        let sent = if last {
+            routes.remove(&frame.id).is_some_and(|route| route.send(kind).is_ok())
+        } else {
+            routes.get(&frame.id).is_some_and(|route| route.send(kind).is_ok())
         };
-        // A request that went away meanwhile has sent its Cancel: drop the frame.
-        if let Some(route) = route
-            && route.send(kind).is_ok()
-        {
+        if sent {
             self.buffered.inc();
         }
     }

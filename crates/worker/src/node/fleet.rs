@@ -40,8 +40,8 @@ pub struct FleetArgs {
     /// are listening.
     #[arg(long)]
     pub addresses_file: Option<PathBuf>,
-    /// Every node's settings (`--engine sim`, `--sim-config`, `--etcd`, ...); `--listen`,
-    /// `--node-id` and `--metrics-listen` are set per node.
+    /// Every node's settings (`--engine sim`, `--sim-config`, `--etcd`, ...); `--listen` and
+    /// `--node-id` are set per node, and `--metrics-listen` is ignored (no node serves /metrics).
     #[command(flatten)]
     pub serve: ServeArgs,
 }
