@@ -9,11 +9,15 @@
 //!   routers in the overhead benchmark.
 //! - [`shim`]: an OpenAI-compatible HTTP face for simulated workers, so the HTTP-only reference
 //!   routers can be compared on the same workers (scheduler, KV cache) as `bellows-router`.
+//! - [`placement`] and [`ingest`]: the router's own placement decision and KV-event ingestion,
+//!   timed through its library over a fleet (`scripts/bench-fleet.sh`).
 
 mod fake;
 mod http;
+mod ingest;
 mod load;
 mod openai;
+mod placement;
 mod procstat;
 mod shim;
 mod stats;
@@ -37,6 +41,10 @@ enum Command {
     SimOpenai(shim::Args),
     /// Drive a router (or workers directly) and print one JSON line of results.
     Load(load::Args),
+    /// Time the router's placement decision alone over a running fleet; one JSON line.
+    Placement(placement::Args),
+    /// Measure the router's KV-event ingestion (decode and index) on one thread; one JSON line.
+    KvIngest(ingest::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,5 +54,7 @@ fn main() -> anyhow::Result<()> {
         Command::FakeOpenai(args) => rt.block_on(fake::run(args)),
         Command::SimOpenai(args) => rt.block_on(shim::run(args)),
         Command::Load(args) => rt.block_on(load::run(args)),
+        Command::Placement(args) => placement::run(&rt, args),
+        Command::KvIngest(args) => ingest::run(args),
     }
 }

@@ -60,6 +60,10 @@ pub struct RouterArgs {
     /// worker's own KV events confirm them.
     #[arg(long, env = "BELLOWS_PLACEMENT_MEMORY", default_value = "2s", value_parser = parse_duration)]
     pub placement_memory: Duration,
+    /// Cached blocks the prefix index remembers at most, over every worker (each worker gets an
+    /// equal share, and past it its least recently used blocks are forgotten first).
+    #[arg(long, env = "BELLOWS_PREFIX_INDEX_ENTRIES", default_value_t = 1_500_000)]
+    pub prefix_index_entries: usize,
     /// Log format: text or json.
     #[arg(long, env = "BELLOWS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

@@ -43,7 +43,7 @@ const FAIR_QUEUE_TICK: std::time::Duration = std::time::Duration::from_millis(10
 pub fn start(args: &RouterArgs, port: u16) -> anyhow::Result<Arc<AppState>> {
     let usage = Arc::new(Usage::new());
     let metrics = Metrics::new(&usage);
-    let cluster = Cluster::new(metrics.clone());
+    let cluster = Cluster::new(metrics.clone(), args.prefix_index_entries);
     cluster::discovery::join_static(&cluster, &args.static_workers());
 
     let admin = args.admin_key_file.as_deref().map(AdminKey::from_file).transpose()?;

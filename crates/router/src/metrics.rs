@@ -89,6 +89,10 @@ pub struct Metrics {
     pub session_buffered: Gauge,
     /// (block, worker) entries in the prefix indexes of every model.
     pub prefix_index_entries: Gauge,
+    /// Reported prefix-index entries dropped by the index's memory bound.
+    pub prefix_index_trimmed: Counter,
+    /// KV block events received from workers (snapshot entries included).
+    pub kv_events: Counter,
 }
 
 /// One model's latency histograms, looked up once per request rather than per token.
@@ -135,6 +139,8 @@ impl Metrics {
             membership_changes: Family::default(),
             session_buffered: Gauge::default(),
             prefix_index_entries: Gauge::default(),
+            prefix_index_trimmed: Counter::default(),
+            kv_events: Counter::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -189,6 +195,16 @@ impl Metrics {
             "prefix_index_entries",
             "Cached blocks this router believes each worker holds, summed over workers and models",
             m.prefix_index_entries.clone(),
+        );
+        r.register(
+            "prefix_index_trimmed",
+            "Reported blocks the prefix index forgot to stay within its memory bound (least recently used first)",
+            m.prefix_index_trimmed.clone(),
+        );
+        r.register(
+            "kv_events",
+            "KV block events (stored, evicted, and snapshot entries) received from workers",
+            m.kv_events.clone(),
         );
         r.register(
             "session_buffered_messages",

@@ -122,6 +122,7 @@ async fn metrics_count_exactly_what_the_node_did() {
     })
     .await;
     assert_eq!(outcome(&after, "refused"), 1.0);
+    assert_eq!(value(&after, "bellows_worker_refusals_total{reason=\"invalid\"}"), 1.0);
     assert_eq!(outcome(&after, "failed"), 1.0);
     assert_eq!(outcome(&after, "finished"), 2.0);
     assert_eq!(value(&after, "bellows_worker_running_requests"), 0.0);

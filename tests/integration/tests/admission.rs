@@ -1,10 +1,12 @@
 //! The global queue cap: above `--max-waiting` requests waiting cluster-wide, new requests get
 //! an immediate 503 with Retry-After; routers that share no state still share the cap, through
-//! what the workers report.
+//! what the workers report; a retry storm against the cap is counted in full and logged a line
+//! a second.
 
 use std::time::Duration;
 
 use bellows_integration::{Router, Worker, eventually, sim};
+use futures_util::{StreamExt, stream};
 use serde_json::json;
 
 /// A worker that runs one sequence at a time, 20 ms per step.
@@ -95,4 +97,28 @@ async fn two_routers_share_the_cap_through_the_workers_reports() {
         b.post("/v1/completions", &json!({"model": "sim", "prompt": "f", "max_tokens": 1})).await;
     assert_eq!(status, 503, "{body}");
     assert!(headers.contains_key("retry-after"));
+}
+
+#[tokio::test]
+async fn a_storm_of_refusals_is_counted_in_full_and_logged_at_most_a_line_a_second() {
+    const STORM: usize = 3000;
+    let worker = one_slot_worker().await;
+    let router = Router::with_workers(&[&worker], &["--max-waiting", "2"]).await;
+    // The queue is full for the next 20 s (1,000 steps of 20 ms), whatever the storm's pace.
+    let _running = occupy(&router, 1000).await;
+    let _waiting = queue_two(&router).await;
+    let started = std::time::Instant::now();
+    let body = json!({"model": "sim", "prompt": "f", "max_tokens": 1});
+    let refused = stream::iter(0..STORM)
+        .map(|_| async { router.post("/v1/completions", &body).await.0 })
+        .buffer_unordered(64)
+        .filter(|&status| async move { status == 503 })
+        .count()
+        .await;
+    let seconds = started.elapsed().as_secs();
+    assert_eq!(refused, STORM);
+    assert_eq!(router.metric("bellows_router_refusals_total").await, STORM as f64, "every refusal is counted");
+    let log = router.process.log();
+    let lines = log.lines().filter(|l| l.contains("request refused")).count() as u64;
+    assert!((1..=seconds + 2).contains(&lines), "{lines} refusal lines for {STORM} refusals in {seconds} s:\n{log}");
 }

@@ -2,7 +2,7 @@
 //! replaced by another; one that dies mid-stream hands the stream to another worker, and the
 //! client sees one uninterrupted, exact completion.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bellows_integration::{Router, Worker, eventually, schemas, sim};
 use futures_util::StreamExt;
@@ -39,8 +39,8 @@ async fn when_every_worker_fails_the_client_gets_a_502_not_a_hang() {
 async fn read_until(
     body: &mut (impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin),
     buf: &mut String,
-    events: &mut Vec<Value>,
-    pred: impl Fn(&[Value]) -> bool,
+    events: &mut Vec<(Instant, Value)>,
+    pred: impl Fn(&[(Instant, Value)]) -> bool,
 ) {
     while !pred(events) {
         let chunk = body.next().await.expect("the stream continues").expect("the stream reads");
@@ -48,7 +48,8 @@ async fn read_until(
         while let Some(end) = buf.find("\n\n") {
             let event: String = buf.drain(..end + 2).collect();
             if let Some(data) = event.trim().strip_prefix("data: ") {
-                events.push(serde_json::from_str(data).unwrap_or(Value::String(data.to_string())));
+                let value = serde_json::from_str(data).unwrap_or(Value::String(data.to_string()));
+                events.push((Instant::now(), value));
             }
         }
     }
@@ -90,18 +91,18 @@ async fn a_constrained_stream_migrates_with_its_grammar_and_still_matches_its_sc
         "model": "sim", "prompt": [11, 12, 13], "max_tokens": 200, "temperature": 1, "seed": 3,
         "guided_json": schema,
     });
-    let (text, _, _) = migrate_mid_stream(request, Fault::Kill).await;
-    schemas::check_output(&schema, &text).unwrap();
+    let migrated = migrate_mid_stream(request, Fault::Kill).await;
+    schemas::check_output(&schema, &migrated.text).unwrap();
 }
 
 #[tokio::test]
 async fn a_migrated_stream_reports_the_same_logprobs_as_an_undisturbed_one() {
     let request =
         json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 60, "temperature": 1, "seed": 5, "logprobs": 3});
-    let (_, chunks, _) = migrate_mid_stream(request.clone(), Fault::Kill).await;
+    let migrated = migrate_mid_stream(request.clone(), Fault::Kill).await;
     let mut tokens = Vec::new();
     let mut logprobs = Vec::new();
-    for c in chunks.iter().filter_map(|c| c["choices"].get(0)) {
+    for c in migrated.chunks.iter().filter_map(|c| c["choices"].get(0)) {
         tokens.extend(c["logprobs"]["tokens"].as_array().into_iter().flatten().cloned());
         logprobs.extend(c["logprobs"]["token_logprobs"].as_array().into_iter().flatten().cloned());
     }
@@ -114,19 +115,32 @@ async fn a_migrated_stream_reports_the_same_logprobs_as_an_undisturbed_one() {
     assert_eq!(Value::Array(logprobs), lp["token_logprobs"]);
 }
 
-/// Run `request` undisturbed, then streamed while its worker is SIGKILLed mid-way: the client
-/// must see one stream with exactly the undisturbed text, which is returned with the chunks.
 #[tokio::test]
-async fn a_stream_on_a_frozen_worker_moves_on_once_its_load_reports_stop() {
+async fn a_stream_on_a_frozen_worker_moves_on_once_its_load_reports_stop_and_the_worker_is_used_again_once_thawed() {
     // SIGSTOP: alive, sockets open, silent (a hung GPU, a deadlock). Nothing breaks on the
     // wire, so only the worker's silence on its load stream (3 s) shows it; the stream must then
     // continue elsewhere, long before HTTP/2 keep-alive would give up (10 s + 5 s).
     let request = json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 100, "temperature": 0});
-    let (_, _, after_fault) = migrate_mid_stream(request, Fault::Freeze).await;
-    eprintln!("the stream ended {after_fault:?} after its worker froze");
-    // At most 2 s of the 100 steps of 20 ms are left after the fault, and 3 s of silence.
-    assert!(after_fault < Duration::from_secs(10), "the stream stalled on the frozen worker for {after_fault:?}");
+    let mut migrated = migrate_mid_stream(request, Fault::Freeze).await;
+    eprintln!("the stream stalled {:?} when its worker froze", migrated.stall);
+    assert!(
+        migrated.stall < REPORT_SILENCE + Duration::from_secs(1),
+        "the stream stalled on the frozen worker for {:?}",
+        migrated.stall
+    );
+    // Thawed, it reports again and is placed on: with the other worker gone, it serves alone.
+    let thawed = migrated.serving;
+    migrated.workers[thawed].signal(libc::SIGCONT);
+    migrated.router.wait_placeable(2).await;
+    migrated.workers[1 - thawed].kill();
+    migrated.router.wait_placeable(1).await;
+    let (status, _, reply) =
+        migrated.router.post("/v1/completions", &json!({"model": "sim", "prompt": [5], "max_tokens": 2})).await;
+    assert_eq!(status, 200, "{reply}");
 }
+
+/// The router's rule for a silent load stream (crates/router/src/cluster/link.rs).
+const REPORT_SILENCE: Duration = Duration::from_secs(3);
 
 /// How the worker running the stream fails.
 enum Fault {
@@ -136,8 +150,21 @@ enum Fault {
     Freeze,
 }
 
-/// The stream's text and chunks, and how long it took from the fault to its end.
-async fn migrate_mid_stream(request: serde_json::Value, fault: Fault) -> (String, Vec<Value>, Duration) {
+/// A stream that moved to another worker, and the cluster it ran on.
+struct Migrated {
+    text: String,
+    chunks: Vec<Value>,
+    /// The longest wait for the stream's next event after the fault.
+    stall: Duration,
+    workers: [Worker; 2],
+    /// Which of `workers` was faulted.
+    serving: usize,
+    router: Router,
+}
+
+/// Run `request` undisturbed, then streamed while its worker fails mid-way: the client must see
+/// one stream with exactly the undisturbed text.
+async fn migrate_mid_stream(request: serde_json::Value, fault: Fault) -> Migrated {
     // 20 ms per step: a 60-token completion takes over a second, time enough to kill its worker.
     let config = r#"{"base_us": 20000}"#;
     let mut workers = [Worker::start(&sim(config)).await, Worker::start(&sim(config)).await];
@@ -166,13 +193,16 @@ async fn migrate_mid_stream(request: serde_json::Value, fault: Fault) -> (String
         }
     }
     let serving = serving.expect("one worker runs the stream");
-    let faulted = std::time::Instant::now();
+    let faulted = Instant::now();
     match fault {
         Fault::Kill => workers[serving].kill(),
         Fault::Freeze => workers[serving].signal(libc::SIGSTOP),
     }
 
-    read_until(&mut body, &mut buf, &mut events, |e| e.last().is_some_and(|l| l == "[DONE]")).await;
+    read_until(&mut body, &mut buf, &mut events, |e| e.last().is_some_and(|l| l.1 == "[DONE]")).await;
+    let after: Vec<Instant> = events.iter().map(|e| e.0).filter(|&t| t > faulted).collect();
+    let stall = [faulted].iter().chain(&after).zip(&after).map(|(a, b)| *b - *a).max().unwrap_or_default();
+    let events: Vec<Value> = events.into_iter().map(|e| e.1).collect();
     let id = events[0]["id"].clone();
     let chunks = &events[..events.len() - 1];
     assert!(chunks.iter().all(|c| c["id"] == id), "one id for the whole stream");
@@ -182,7 +212,7 @@ async fn migrate_mid_stream(request: serde_json::Value, fault: Fault) -> (String
     assert_eq!(usage["completion_tokens"], reference_tokens);
     assert_eq!(usage["prompt_tokens"], 3);
     assert_eq!(router.metric("bellows_router_migrations_total").await, 1.0);
-    (text, chunks.to_vec(), faulted.elapsed())
+    Migrated { text, chunks: chunks.to_vec(), stall, workers, serving, router }
 }
 
 #[tokio::test]

@@ -2,6 +2,8 @@
 //! workers that hold it, so a tenant's repeated system prompt is served from cache instead of
 //! being recomputed on whichever worker happens to be next.
 
+use std::time::Duration;
+
 use bellows_integration::{Router, Worker, sim};
 use serde_json::json;
 
@@ -55,4 +57,27 @@ async fn the_router_reports_how_long_placement_takes_and_how_big_its_prefix_inde
         || async { (router.metric("bellows_router_prefix_index_entries").await >= 10.0).then_some(()) },
     )
     .await;
+}
+
+#[tokio::test]
+async fn the_prefix_index_keeps_within_its_budget_and_counts_what_it_forgets() {
+    let workers = [Worker::start(&sim("{}")).await, Worker::start(&sim("{}")).await];
+    // 8 entries for two workers: 4 blocks each. No provisional entries (memory 0 s).
+    let args = ["--prefix-index-entries", "8", "--placement-memory", "0s"];
+    let router = Router::with_workers(&workers.iter().collect::<Vec<_>>(), &args).await;
+    // Four prompts of 5 full blocks each: 20 blocks stored by the workers.
+    for first in [1u32, 200, 400, 600] {
+        let prompt: Vec<u32> = (first..first + 80).collect();
+        let (status, _, reply) =
+            router.post("/v1/completions", &json!({"model": "sim", "prompt": prompt, "max_tokens": 1})).await;
+        assert_eq!(status, 200, "{reply}");
+    }
+    bellows_integration::eventually("the workers' stored blocks reach the router", Duration::from_secs(10), || async {
+        (router.metric("bellows_router_kv_events_total").await >= 20.0).then_some(())
+    })
+    .await;
+    let entries = router.metric("bellows_router_prefix_index_entries").await;
+    assert!((1.0..=8.0).contains(&entries), "{entries} entries for a budget of 8");
+    let trimmed = router.metric("bellows_router_prefix_index_trimmed_total").await;
+    assert!(trimmed >= 12.0, "20 blocks reported, at most 8 kept, {trimmed} trimmed");
 }

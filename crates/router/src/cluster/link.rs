@@ -29,6 +29,7 @@ use tonic::transport::{Channel, Endpoint};
 use super::{
     Cluster, WorkerId,
     call::{WorkerCall, WorkerError},
+    queue::{QueueTotals, Share},
     session::SessionChannel,
 };
 
@@ -71,12 +72,43 @@ struct LinkState {
     placeable: bool,
     report: pb::LoadReport,
     pending: Vec<Pending>,
+    /// The prompt tokens of `pending`, summed.
+    pending_tokens: u64,
+    /// What this link last added to the cluster's queue totals.
+    published: Share,
     /// From the worker's ModelInfo.
     context_length: u32,
     /// The worker's Session stream while the link is up, if it speaks protocol 2.
     session: Option<Arc<SessionChannel>>,
     /// The worker's protocol version (ModelInfo).
     protocol_version: u32,
+}
+
+impl LinkState {
+    /// What the link adds to the cluster's queue now: its worker's waiting work, while placeable.
+    fn share(&self) -> Share {
+        if !self.placeable {
+            return Share::default();
+        }
+        Share::new(
+            u64::from(self.report.waiting_requests) + self.pending.len() as u64,
+            self.report.waiting_prompt_tokens + self.pending_tokens,
+            self.report.prefill_tokens_per_s,
+        )
+    }
+
+    /// Stop counting the pending requests `keep` rejects.
+    fn retain_pending(&mut self, mut keep: impl FnMut(&Pending) -> bool) {
+        let mut dropped = 0;
+        self.pending.retain(|p| {
+            let k = keep(p);
+            if !k {
+                dropped += u64::from(p.prompt_tokens);
+            }
+            k
+        });
+        self.pending_tokens -= dropped;
+    }
 }
 
 pub struct WorkerLink {
@@ -87,6 +119,7 @@ pub struct WorkerLink {
     pub address: String,
     client: WorkerClient<Channel>,
     state: Mutex<LinkState>,
+    queue: Arc<QueueTotals>,
     next_pending: AtomicU64,
     closed: AtomicBool,
     task: Mutex<Option<JoinHandle<()>>>,
@@ -105,6 +138,7 @@ impl WorkerLink {
         node_id: &str,
         address: &str,
         cluster: Weak<Cluster>,
+        queue: Arc<QueueTotals>,
     ) -> anyhow::Result<Arc<Self>> {
         let endpoint = Endpoint::from_shared(format!("http://{address}"))?
             .connect_timeout(Duration::from_secs(1))
@@ -120,6 +154,7 @@ impl WorkerLink {
             address: address.to_string(),
             client: WorkerClient::new(endpoint.connect_lazy()),
             state: Mutex::new(LinkState::default()),
+            queue,
             next_pending: AtomicU64::new(0),
             closed: AtomicBool::new(false),
             task: Mutex::new(None),
@@ -175,8 +210,7 @@ impl WorkerLink {
         }
         Some(Load {
             waiting_requests: s.report.waiting_requests + s.pending.len() as u32,
-            waiting_tokens: s.report.waiting_prompt_tokens
-                + s.pending.iter().map(|p| u64::from(p.prompt_tokens)).sum::<u64>(),
+            waiting_tokens: s.report.waiting_prompt_tokens + s.pending_tokens,
             running: s.report.running_requests,
             max_running: s.report.max_running,
             prefill_tokens_per_s: s.report.prefill_tokens_per_s,
@@ -191,29 +225,54 @@ impl WorkerLink {
     pub fn dispatch(self: &Arc<Self>, prompt_tokens: usize) -> Dispatched {
         let id = self.next_pending.fetch_add(1, Ordering::Relaxed);
         let prompt_tokens = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
-        self.state.lock().expect("link state lock").pending.push(Pending { id, prompt_tokens, reflected_at: None });
+        self.update(|s| {
+            s.pending.push(Pending { id, prompt_tokens, reflected_at: None });
+            s.pending_tokens += u64::from(prompt_tokens);
+        });
         Dispatched { link: self.clone(), id }
     }
 
     fn apply_report(&self, report: pb::LoadReport, first: bool) {
-        let mut s = self.state.lock().expect("link state lock");
-        let seq = report.sequence;
-        if first {
-            // A new stream numbers its reports afresh.
-            for p in s.pending.iter_mut().filter(|p| p.reflected_at.is_some()) {
-                p.reflected_at = Some(seq + REPORTS_UNTIL_REFLECTED);
+        self.update(|s| {
+            let seq = report.sequence;
+            if first {
+                // A new stream numbers its reports afresh.
+                for p in s.pending.iter_mut().filter(|p| p.reflected_at.is_some()) {
+                    p.reflected_at = Some(seq + REPORTS_UNTIL_REFLECTED);
+                }
+            } else {
+                s.retain_pending(|p| p.reflected_at.is_none_or(|r| r > seq));
             }
-        } else {
-            s.pending.retain(|p| p.reflected_at.is_none_or(|r| r > seq));
-        }
-        s.placeable = !report.draining;
-        s.report = report;
+            s.placeable = !report.draining;
+            s.report = report;
+        });
     }
 
     fn set_unplaceable(&self) {
+        self.update(|s| {
+            s.placeable = false;
+            s.session = None;
+        });
+    }
+
+    /// Change the link's state and publish what that changes in the cluster's queue.
+    fn update<T>(&self, f: impl FnOnce(&mut LinkState) -> T) -> T {
         let mut s = self.state.lock().expect("link state lock");
-        s.placeable = false;
-        s.session = None;
+        let out = f(&mut s);
+        let share = s.share();
+        if share != s.published {
+            self.queue.shift(s.published, share);
+            s.published = share;
+        }
+        out
+    }
+}
+
+impl Drop for WorkerLink {
+    /// A link going away withdraws what it added to the queue.
+    fn drop(&mut self) {
+        let s = self.state.get_mut().expect("link state lock");
+        self.queue.shift(s.published, Share::default());
     }
 }
 
@@ -237,8 +296,8 @@ impl Dispatched {
 
 impl Drop for Dispatched {
     fn drop(&mut self) {
-        let mut s = self.link.state.lock().expect("link state lock");
-        s.pending.retain(|p| p.id != self.id);
+        let id = self.id;
+        self.link.update(|s| s.retain_pending(|p| p.id != id));
     }
 }
 
@@ -301,12 +360,12 @@ async fn follow(
     };
     let stream = client.watch_load(pb::WatchLoadRequest {}).await?.into_inner();
     let Some((channel, mut answers)) = session else {
-        return watch_load(link, &pool, stream, backoff, was_up).await;
+        return watch_load(link, cluster, &pool, stream, backoff, was_up).await;
     };
     link.state.lock().expect("link state lock").session = Some(channel.clone());
     let _closing = channel.closing();
     tokio::select! {
-        r = watch_load(link, &pool, stream, backoff, was_up) => r,
+        r = watch_load(link, cluster, &pool, stream, backoff, was_up) => r,
         r = channel.demux(&mut answers) => r,
     }
 }
@@ -314,6 +373,7 @@ async fn follow(
 /// Apply the worker's load reports and KV events until the stream fails or goes silent.
 async fn watch_load(
     link: &Arc<WorkerLink>,
+    cluster: &Cluster,
     pool: &super::ModelPool,
     mut stream: tonic::Streaming<pb::WatchLoadResponse>,
     backoff: &mut Duration,
@@ -329,7 +389,11 @@ async fn watch_load(
         };
         // Most reports carry no cache change: they need not take the index from placement.
         if msg.kv_snapshot.is_some() || !msg.kv_events.is_empty() {
-            pool.index.lock().expect("prefix index lock").apply(link.id, &msg);
+            let share = cluster.index_share();
+            let trimmed = pool.index.lock().expect("prefix index lock").apply(link.id, &msg, share);
+            cluster.metrics.prefix_index_trimmed.inc_by(trimmed as u64);
+            let snapshot = msg.kv_snapshot.as_ref().map_or(0, |s| s.block_hashes.len());
+            cluster.metrics.kv_events.inc_by((msg.kv_events.len() + snapshot) as u64);
         }
         if let Some(report) = msg.load {
             link.apply_report(report, first);
@@ -340,5 +404,67 @@ async fn watch_load(
                 first = false;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::QueueView;
+
+    fn link(id: u64, queue: &Arc<QueueTotals>) -> Arc<WorkerLink> {
+        // No cluster: the link's task ends at once, leaving its state to the test.
+        WorkerLink::spawn(WorkerId(id), &format!("w{id}"), "127.0.0.1:9", Weak::new(), queue.clone()).unwrap()
+    }
+
+    fn report(sequence: u64, waiting_requests: u32, waiting_prompt_tokens: u64) -> pb::LoadReport {
+        pb::LoadReport {
+            sequence,
+            waiting_requests,
+            waiting_prompt_tokens,
+            prefill_tokens_per_s: 1.5,
+            ..Default::default()
+        }
+    }
+
+    /// What summing every link's load, as admission once did per request, would give.
+    fn summed(links: &[&Arc<WorkerLink>]) -> QueueView {
+        let mut q = QueueView::default();
+        for load in links.iter().filter_map(|l| l.load()) {
+            q.waiting_requests += u64::from(load.waiting_requests);
+            q.waiting_tokens += load.waiting_tokens;
+            q.prefill_tokens_per_s += load.prefill_tokens_per_s;
+        }
+        q
+    }
+
+    #[tokio::test]
+    async fn the_queue_totals_follow_every_links_load_through_reports_dispatches_and_departures() {
+        let queue = Arc::new(QueueTotals::default());
+        let (a, b) = (link(1, &queue), link(2, &queue));
+        a.apply_report(report(1, 3, 300), true);
+        b.apply_report(report(1, 1, 50), true);
+        assert_eq!(queue.view(), summed(&[&a, &b]));
+        assert_eq!(queue.view().waiting_requests, 4);
+
+        let sent = a.dispatch(120);
+        sent.accepted();
+        let other = b.dispatch(7);
+        assert_eq!(queue.view(), summed(&[&a, &b]));
+        assert_eq!(queue.view().waiting_tokens, 477);
+        // The worker's reports now count the accepted request: it is not counted twice.
+        a.apply_report(report(2 + REPORTS_UNTIL_REFLECTED, 4, 420), false);
+        assert_eq!(queue.view(), summed(&[&a, &b]));
+        assert_eq!(queue.view().waiting_requests, 6);
+        drop((sent, other));
+        assert_eq!(queue.view(), summed(&[&a, &b]));
+
+        // A link that goes down adds nothing, and one dropped withdraws what it added.
+        b.set_unplaceable();
+        assert_eq!(queue.view(), summed(&[&a]));
+        drop(a);
+        assert_eq!(queue.view(), QueueView::default());
+        drop(b);
+        assert_eq!(queue.view(), QueueView::default());
     }
 }

@@ -11,13 +11,15 @@ pub mod link;
 pub mod peers;
 pub mod pool;
 pub mod prefix_index;
+pub mod queue;
+pub mod ring;
 pub mod session;
 
 use std::{
     collections::HashMap,
     sync::{
         Arc, RwLock,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
 };
 
@@ -28,19 +30,12 @@ use crate::metrics::{ChangeLabels, Metrics, WorkerLabels};
 pub use call::{Reply, WorkerCall, WorkerError};
 pub use link::{Dispatched, Load, WorkerLink};
 pub use pool::ModelPool;
+use queue::QueueTotals;
+pub use queue::QueueView;
 
 /// A link's identity: never reused, so state keyed by it cannot leak to a later worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerId(pub u64);
-
-/// Requests waiting for a worker across the cluster, for admission.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct QueueView {
-    pub waiting_requests: u64,
-    pub waiting_tokens: u64,
-    /// Summed recent prefill rate of the placeable workers.
-    pub prefill_tokens_per_s: f64,
-}
 
 pub struct Cluster {
     metrics: Arc<Metrics>,
@@ -49,11 +44,30 @@ pub struct Cluster {
     links: RwLock<HashMap<String, Arc<WorkerLink>>>,
     /// By model name.
     models: RwLock<HashMap<String, Arc<ModelPool>>>,
+    /// `links.len()`, read without the lock.
+    link_count: AtomicUsize,
+    /// Reported prefix-index entries this router keeps at most, over every worker.
+    index_budget: usize,
+    queue: Arc<QueueTotals>,
 }
 
 impl Cluster {
-    pub fn new(metrics: Arc<Metrics>) -> Arc<Self> {
-        Arc::new(Cluster { metrics, next_id: AtomicU64::new(0), links: RwLock::default(), models: RwLock::default() })
+    /// `index_budget`: see [`prefix_index`]'s memory bound.
+    pub fn new(metrics: Arc<Metrics>, index_budget: usize) -> Arc<Self> {
+        Arc::new(Cluster {
+            metrics,
+            next_id: AtomicU64::new(0),
+            links: RwLock::default(),
+            models: RwLock::default(),
+            link_count: AtomicUsize::new(0),
+            index_budget,
+            queue: Arc::default(),
+        })
+    }
+
+    /// Each worker's share of the prefix-index budget.
+    pub(crate) fn index_share(&self) -> usize {
+        self.index_budget / self.link_count.load(Ordering::Relaxed).max(1)
     }
 
     /// A worker joined (or moved to a new address).
@@ -63,13 +77,14 @@ impl Cluster {
             return;
         }
         let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        match WorkerLink::spawn(id, node_id, address, Arc::downgrade(self)) {
+        match WorkerLink::spawn(id, node_id, address, Arc::downgrade(self), self.queue.clone()) {
             Ok(link) => {
                 tracing::info!(worker = node_id, address, "worker joined");
                 self.metrics.membership_changes.get_or_create(&ChangeLabels { change: "join" }).inc();
                 if let Some(old) = links.insert(node_id.to_string(), link) {
                     self.detach(&old);
                 }
+                self.link_count.store(links.len(), Ordering::Relaxed);
             }
             Err(e) => tracing::error!(worker = node_id, address, "cannot reach worker at this address: {e:#}"),
         }
@@ -77,7 +92,12 @@ impl Cluster {
 
     /// A worker left: stop placing there at once.
     pub fn leave(&self, node_id: &str) {
-        let removed = self.links.write().expect("links lock").remove(node_id);
+        let removed = {
+            let mut links = self.links.write().expect("links lock");
+            let removed = links.remove(node_id);
+            self.link_count.store(links.len(), Ordering::Relaxed);
+            removed
+        };
         if let Some(link) = removed {
             tracing::info!(worker = node_id, "worker left");
             self.metrics.membership_changes.get_or_create(&ChangeLabels { change: "leave" }).inc();
@@ -163,15 +183,8 @@ impl Cluster {
     }
 
     /// The cluster-wide queue: every placeable worker's reported waiting work plus what this
-    /// router sent that the reports do not show yet.
+    /// router sent that the reports do not show yet (running totals, see [`queue`]).
     pub fn queue(&self) -> QueueView {
-        let links = self.links.read().expect("links lock");
-        let mut q = QueueView::default();
-        for load in links.values().filter_map(|l| l.load()) {
-            q.waiting_requests += u64::from(load.waiting_requests);
-            q.waiting_tokens += load.waiting_tokens;
-            q.prefill_tokens_per_s += load.prefill_tokens_per_s;
-        }
-        q
+        self.queue.view()
     }
 }

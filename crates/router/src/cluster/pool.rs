@@ -11,14 +11,28 @@ use bellows_proto::worker::v1 as pb;
 
 use super::link::WorkerLink;
 use super::prefix_index::PrefixIndex;
+use super::ring::Ring;
 use crate::tokenize::PromptTokenizer;
+
+/// The pool's workers, sorted by id, and their ring (rebuilt as they change).
+#[derive(Default)]
+struct Members {
+    links: Vec<Arc<WorkerLink>>,
+    ring: Ring,
+}
+
+impl Members {
+    fn changed(&mut self) {
+        self.ring = Ring::new(self.links.iter().map(|l| l.stable_id));
+    }
+}
 
 pub struct ModelPool {
     pub name: String,
     pub tokenizer: Arc<PromptTokenizer>,
     pub block_size: usize,
     pub vocab_size: u32,
-    workers: RwLock<Vec<Arc<WorkerLink>>>,
+    workers: RwLock<Members>,
     /// The smallest context length of the workers, kept as they join and leave (read per
     /// request, so it must not cost a pass over a large pool).
     context_length: AtomicUsize,
@@ -33,7 +47,7 @@ impl ModelPool {
             tokenizer: Arc::new(PromptTokenizer::from_model_info(info)?),
             block_size: info.kv_block_size as usize,
             vocab_size: info.vocab_size,
-            workers: RwLock::new(Vec::new()),
+            workers: RwLock::default(),
             context_length: AtomicUsize::new(0),
             index: Mutex::new(PrefixIndex::default()),
         })
@@ -56,12 +70,13 @@ impl ModelPool {
 
     pub(super) fn add(&self, link: &Arc<WorkerLink>) {
         let mut w = self.workers.write().expect("pool lock");
-        if !w.iter().any(|l| l.id == link.id) {
-            w.push(link.clone());
-            w.sort_by_key(|l| l.id);
+        if !w.links.iter().any(|l| l.id == link.id) {
+            w.links.push(link.clone());
+            w.links.sort_by_key(|l| l.id);
+            w.changed();
         }
         // A rejoining worker may come back with another context length.
-        self.update_context_length(&w);
+        self.update_context_length(&w.links);
     }
 
     fn update_context_length(&self, workers: &[Arc<WorkerLink>]) {
@@ -71,15 +86,22 @@ impl ModelPool {
 
     pub(super) fn remove(&self, link: &WorkerLink) -> bool {
         let mut w = self.workers.write().expect("pool lock");
-        w.retain(|l| l.id != link.id);
-        self.update_context_length(&w);
+        w.links.retain(|l| l.id != link.id);
+        w.changed();
+        self.update_context_length(&w.links);
         self.index.lock().expect("prefix index lock").forget_worker(link.id);
-        w.is_empty()
+        w.links.is_empty()
     }
 
-    /// Calls `f` with the workers, without copying the list.
+    /// Calls `f` with the workers (sorted by id), without copying the list.
     pub fn with_workers<T>(&self, f: impl FnOnce(&[Arc<WorkerLink>]) -> T) -> T {
-        f(&self.workers.read().expect("pool lock"))
+        f(&self.workers.read().expect("pool lock").links)
+    }
+
+    /// Calls `f` with the workers (sorted by id) and their ring.
+    pub fn with_ring<T>(&self, f: impl FnOnce(&[Arc<WorkerLink>], &Ring) -> T) -> T {
+        let w = self.workers.read().expect("pool lock");
+        f(&w.links, &w.ring)
     }
 
     /// The longest prompt + completion every worker accepts (0 with no workers).

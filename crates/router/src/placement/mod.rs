@@ -17,9 +17,8 @@ use std::{
 };
 
 use bellows_common::prefix_hash::BlockHash;
-use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::cluster::{Load, ModelPool, WorkerId, WorkerLink};
+use crate::cluster::{Load, ModelPool, WorkerId, WorkerLink, ring::Ring};
 
 /// How a request picks its worker among those serving its model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -78,8 +77,8 @@ pub trait Policy: Send + Sync {
     fn choose(&self, candidates: &[Candidate], prompt: PromptShape<'_>) -> usize;
 
     /// In a pool of more than [`PROBE_ABOVE`] workers, a policy may look at a few of them
-    /// only: the workers holding the block this key names plus the [`PROBES`] workers that a
-    /// rendezvous hash with the key ranks first (the same on every router). `None`: look at
+    /// only: the workers holding the block this key names plus the first [`PROBES`] workers
+    /// met walking the pool's ring from the key (the same on every router). `None`: look at
     /// every worker.
     fn probe_key(&self, _prompt: PromptShape<'_>) -> Option<u64> {
         None
@@ -127,10 +126,9 @@ pub fn place(
         Some(k) => pool.index.lock().expect("prefix index lock").holders(k, now),
         None => Vec::new(),
     };
-    let (links, mut candidates): (Vec<Arc<WorkerLink>>, Vec<Candidate>) = pool.with_workers(|workers| {
-        let probed = key
-            .filter(|_| workers.len() > PROBE_ABOVE)
-            .map(|k| probe(workers, |w| (w.id, w.stable_id), k, &holders, exclude));
+    let (links, mut candidates): (Vec<Arc<WorkerLink>>, Vec<Candidate>) = pool.with_ring(|workers, ring| {
+        let probed =
+            key.filter(|_| workers.len() > PROBE_ABOVE).map(|k| probe(workers, ring, |w| w.id, k, &holders, exclude));
         let pick: Box<dyn Iterator<Item = &Arc<WorkerLink>>> = match &probed {
             Some(chosen) => Box::new(chosen.iter().map(|&i| &workers[i])),
             None => Box::new(workers.iter()),
@@ -167,30 +165,29 @@ pub fn place(
     })
 }
 
-/// The workers to look at in a large pool: those holding the key's block, and the [`PROBES`]
-/// others a rendezvous hash with the key ranks first (hashing costs nanoseconds a worker; reading
-/// a worker's load takes its lock). Tried workers are left out before ranking, so a retry probes
-/// as many fresh ones.
+/// The workers to look at in a large pool, as indices into `workers` (sorted by id): the first
+/// [`PROBES`] met walking the ring from `key` that neither hold its block nor were tried, then
+/// the holders. A retry so probes as many fresh workers, and the cost is a binary search and a
+/// short walk, whatever the pool's size.
 fn probe<W>(
     workers: &[W],
-    id: impl Fn(&W) -> (WorkerId, u64),
+    ring: &Ring,
+    id: impl Fn(&W) -> WorkerId,
     key: u64,
     holders: &[WorkerId],
     exclude: &[WorkerId],
 ) -> Vec<usize> {
-    let mut ranked: Vec<(u64, usize)> = workers
-        .iter()
-        .enumerate()
-        .map(|(i, w)| (id(w), i))
-        .filter(|((w, _), _)| !exclude.contains(w) && !holders.contains(w))
-        .map(|((_, stable), i)| (xxh3_64_with_seed(&stable.to_le_bytes(), key), i))
-        .collect();
-    let first = PROBES.min(ranked.len());
-    if first < ranked.len() {
-        ranked.select_nth_unstable_by(first, |a, b| b.0.cmp(&a.0));
+    let mut chosen: Vec<usize> = Vec::with_capacity(PROBES + holders.len());
+    for i in ring.walk(key) {
+        if chosen.len() == PROBES {
+            break;
+        }
+        let w = id(&workers[i]);
+        if !chosen.contains(&i) && !exclude.contains(&w) && !holders.contains(&w) {
+            chosen.push(i);
+        }
     }
-    let mut chosen: Vec<usize> = ranked[..first].iter().map(|&(_, i)| i).collect();
-    chosen.extend((0..workers.len()).filter(|&i| holders.contains(&id(&workers[i]).0)));
+    chosen.extend(holders.iter().filter_map(|h| workers.binary_search_by_key(h, &id).ok()));
     chosen
 }
 
@@ -241,28 +238,43 @@ mod tests {
     #[test]
     fn a_large_pool_is_probed_by_its_holders_and_the_same_first_ranked_few_on_every_router() {
         let workers: Vec<(WorkerId, u64)> = (0..1000).map(|i| (WorkerId(i), 77 + i * 31)).collect();
+        let ring = Ring::new(workers.iter().map(|w| w.1));
         let holders = [WorkerId(5), WorkerId(900)];
-        let chosen = probe(&workers, |w| *w, 42, &holders, &[]);
+        let chosen = probe(&workers, &ring, |w| w.0, 42, &holders, &[]);
         assert_eq!(chosen.len(), PROBES + holders.len());
         assert!(chosen.contains(&5) && chosen.contains(&900), "every holder is probed");
         // Another router knows the same workers in another order and under other ids.
-        let other: Vec<(WorkerId, u64)> = workers.iter().rev().map(|&(id, s)| (WorkerId(id.0 + 5000), s)).collect();
+        let other: Vec<(WorkerId, u64)> =
+            workers.iter().rev().enumerate().map(|(k, &(_, s))| (WorkerId(5000 + k as u64), s)).collect();
+        let other_ring = Ring::new(other.iter().map(|w| w.1));
         let stable = |list: &[(WorkerId, u64)], picked: &[usize]| {
             let mut s: Vec<u64> = picked.iter().map(|&i| list[i].1).collect();
             s.sort_unstable();
             s
         };
-        let theirs = probe(&other, |w| *w, 42, &[WorkerId(5005), WorkerId(5900)], &[]);
+        let theirs = probe(&other, &other_ring, |w| w.0, 42, &[WorkerId(5994), WorkerId(5099)], &[]);
         assert_eq!(stable(&workers, &chosen), stable(&other, &theirs), "the same workers on every router");
         // A retry probes as many again, none of them tried.
         let tried: Vec<WorkerId> = chosen.iter().map(|&i| workers[i].0).filter(|w| !holders.contains(w)).collect();
-        let retry = probe(&workers, |w| *w, 42, &holders, &tried);
+        let retry = probe(&workers, &ring, |w| w.0, 42, &holders, &tried);
         assert_eq!(retry.len(), PROBES + holders.len());
         assert!(retry.iter().all(|&i| !tried.contains(&workers[i].0)));
-        // Another key, mostly other workers: load spreads over the pool.
-        let elsewhere = probe(&workers, |w| *w, 43, &[], &[]);
-        let shared = elsewhere.iter().filter(|i| chosen.contains(i)).count();
-        assert!(shared < PROBES / 2, "{shared} of {PROBES} shared between two keys");
+        // Other keys, mostly other workers: load spreads over the pool. (Keys whose points
+        // fall near each other on the ring share a run of workers; few do.)
+        let mut probed = [0u32; 1000];
+        let (mut shared, mut close) = (0, 0);
+        for key in 43..1043 {
+            let elsewhere = probe(&workers, &ring, |w| w.0, key, &[], &[]);
+            let common = elsewhere.iter().filter(|i| chosen.contains(i)).count();
+            shared += common;
+            close += usize::from(common >= PROBES / 2);
+            elsewhere.iter().for_each(|&i| probed[i] += 1);
+        }
+        assert!(shared < 1000, "{shared} workers shared with 1,000 other keys");
+        assert!(close < 30, "{close} of 1,000 keys share half their probes");
+        // 16,000 probes over 1,000 workers: 16 each on average, none left out or piled on.
+        let (least, most) = (probed.iter().min().unwrap(), probed.iter().max().unwrap());
+        assert!(*least >= 1 && *most <= 64, "probed between {least} and {most} times");
     }
 
     #[test]

@@ -143,7 +143,7 @@ impl WorkerService {
     pub async fn session_counted(
         &self,
         request: Request<Streaming<pb::SessionRequest>>,
-        refused: Arc<dyn Fn() + Send + Sync>,
+        refused: Arc<dyn Fn(tonic::Code) + Send + Sync>,
     ) -> Result<Response<SessionStream>, Status> {
         if self.0.protocol_version < bellows_proto::SESSION_PROTOCOL {
             return Err(Status::unimplemented("this worker speaks protocol version 1: Generate only"));
@@ -194,7 +194,7 @@ impl Worker for WorkerService {
         &self,
         request: Request<Streaming<pb::SessionRequest>>,
     ) -> Result<Response<SessionStream>, Status> {
-        self.session_counted(request, Arc::new(|| {})).await
+        self.session_counted(request, Arc::new(|_| {})).await
     }
 
     async fn model_info(&self, _: Request<pb::ModelInfoRequest>) -> Result<Response<pb::ModelInfoResponse>, Status> {

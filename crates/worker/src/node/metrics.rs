@@ -48,18 +48,55 @@ pub const DEFAULT_LISTEN: &str = "0.0.0.0:9091";
 
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// What a scrape reads: the engine (once loaded) and the node's refusal count.
+/// Why a request was refused before it reached the engine, from its gRPC status.
+#[derive(Debug, Clone, Copy)]
+enum Refusal {
+    /// The waiting cap is full (RESOURCE_EXHAUSTED): a router should try elsewhere.
+    Busy,
+    /// The node is draining (UNAVAILABLE).
+    Draining,
+    /// The request itself is wrong (INVALID_ARGUMENT and the like).
+    Invalid,
+    Other,
+}
+
+impl Refusal {
+    const ALL: [Refusal; 4] = [Refusal::Busy, Refusal::Draining, Refusal::Invalid, Refusal::Other];
+
+    fn of(code: tonic::Code) -> Refusal {
+        match code {
+            tonic::Code::ResourceExhausted => Refusal::Busy,
+            tonic::Code::Unavailable => Refusal::Draining,
+            tonic::Code::InvalidArgument | tonic::Code::OutOfRange | tonic::Code::FailedPrecondition => {
+                Refusal::Invalid
+            }
+            _ => Refusal::Other,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Refusal::Busy => "busy",
+            Refusal::Draining => "draining",
+            Refusal::Invalid => "invalid",
+            Refusal::Other => "other",
+        }
+    }
+}
+
+/// What a scrape reads: the engine (once loaded) and the node's refusals by reason. Refusals
+/// are logged at debug level only: under a retry storm they are counted, not written out.
 #[derive(Default)]
 pub struct NodeMetrics {
     engine: OnceLock<EngineHandle>,
-    refused: AtomicU64,
+    refused: [AtomicU64; Refusal::ALL.len()],
 }
 
 impl fmt::Debug for NodeMetrics {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NodeMetrics")
             .field("loaded", &self.engine.get().is_some())
-            .field("refused", &self.refused.load(Relaxed))
+            .field("refused", &self.refusals())
             .finish()
     }
 }
@@ -74,9 +111,14 @@ impl NodeMetrics {
         let _ = self.engine.set(engine);
     }
 
-    /// A request refused before it reached the engine.
-    pub fn refused(&self) {
-        self.refused.fetch_add(1, Relaxed);
+    /// A request refused before it reached the engine, with this status.
+    pub fn refused(&self, code: tonic::Code) {
+        self.refused[Refusal::of(code) as usize].fetch_add(1, Relaxed);
+    }
+
+    /// Refusals by reason, in [`Refusal::ALL`]'s order.
+    fn refusals(&self) -> [u64; Refusal::ALL.len()] {
+        std::array::from_fn(|i| self.refused[i].load(Relaxed))
     }
 
     /// The node's metrics registry (`bellows_worker_*`).
@@ -97,7 +139,7 @@ impl NodeMetrics {
 impl Collector for NodeMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
         let s = self.engine.get().map(EngineHandle::stats).unwrap_or_default();
-        encode_snapshot(&mut enc, &s, self.refused.load(Relaxed))
+        encode_snapshot(&mut enc, &s, self.refusals())
     }
 }
 
@@ -118,7 +160,7 @@ fn histogram(mut m: MetricEncoder, h: &Histogram) -> fmt::Result {
     m.encode_histogram::<NoLabelSet>(h.sum, h.count(), &buckets, None)
 }
 
-fn encode_snapshot(enc: &mut DescriptorEncoder, s: &StatsSnapshot, refused: u64) -> fmt::Result {
+fn encode_snapshot(enc: &mut DescriptorEncoder, s: &StatsSnapshot, refused: [u64; Refusal::ALL.len()]) -> fmt::Result {
     gauge(
         enc,
         "waiting_requests",
@@ -160,9 +202,18 @@ fn encode_snapshot(enc: &mut DescriptorEncoder, s: &StatsSnapshot, refused: u64)
         ("finished", s.requests_finished),
         ("cancelled", s.requests_cancelled),
         ("failed", s.requests_failed),
-        ("refused", refused),
+        ("refused", refused.iter().sum()),
     ] {
         ConstCounter::new(v).encode(m.encode_family(&[("outcome", outcome)])?)?;
+    }
+    let mut m = enc.encode_descriptor(
+        "refusals",
+        "Requests refused before reaching the engine, by reason: busy (waiting cap), draining, invalid, other",
+        None,
+        MetricType::Counter,
+    )?;
+    for (reason, v) in Refusal::ALL.iter().zip(refused) {
+        ConstCounter::new(v).encode(m.encode_family(&[("reason", reason.label())])?)?;
     }
 
     let h = &s.histograms;
@@ -236,8 +287,8 @@ impl Worker for Counted {
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
         let answer = self.inner.generate(request).await;
-        if answer.is_err() {
-            self.metrics.refused();
+        if let Err(status) = &answer {
+            self.metrics.refused(status.code());
         }
         answer
     }
@@ -248,7 +299,7 @@ impl Worker for Counted {
     ) -> Result<Response<SessionStream>, Status> {
         // The session is not a request: only the requests it refuses count.
         let metrics = self.metrics.clone();
-        self.inner.session_counted(request, Arc::new(move || metrics.refused())).await
+        self.inner.session_counted(request, Arc::new(move |code| metrics.refused(code))).await
     }
 
     async fn model_info(
@@ -274,7 +325,7 @@ mod tests {
         stats.record_step(32, 0, 1, std::time::Duration::from_millis(3));
         stats.record_step(0, 4, 4, std::time::Duration::from_millis(1));
         let metrics = NodeMetrics::new();
-        metrics.refused();
+        metrics.refused(tonic::Code::ResourceExhausted);
         let mut registry = Registry::with_prefix("bellows_worker");
         struct One(StatsSnapshot);
         impl fmt::Debug for One {
@@ -284,7 +335,7 @@ mod tests {
         }
         impl Collector for One {
             fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
-                encode_snapshot(&mut enc, &self.0, 1)
+                encode_snapshot(&mut enc, &self.0, [1, 0, 2, 0])
             }
         }
         registry.register_collector(Box::new(One(stats.snapshot())));
@@ -293,8 +344,10 @@ mod tests {
             "# TYPE bellows_worker_running_requests gauge",
             "bellows_worker_kv_blocks_total 0",
             "bellows_worker_prefill_tokens_total 32",
-            "bellows_worker_requests_total{outcome=\"refused\"} 1",
+            "bellows_worker_requests_total{outcome=\"refused\"} 3",
             "bellows_worker_requests_total{outcome=\"finished\"} 0",
+            "bellows_worker_refusals_total{reason=\"busy\"} 1",
+            "bellows_worker_refusals_total{reason=\"invalid\"} 2",
             "# TYPE bellows_worker_step_duration_seconds histogram",
             "bellows_worker_step_duration_seconds_count{kind=\"prefill\"} 1",
             "bellows_worker_step_duration_seconds_bucket{le=\"0.004\",kind=\"prefill\"} 1",
@@ -309,6 +362,7 @@ mod tests {
         // The unloaded node: zeros, same shape.
         let empty = NodeMetrics::encode(&metrics.registry());
         assert!(empty.contains("bellows_worker_requests_total{outcome=\"refused\"} 1"), "{empty}");
+        assert!(empty.contains("bellows_worker_refusals_total{reason=\"busy\"} 1"), "{empty}");
         assert!(empty.contains("bellows_worker_batch_tokens_count 0"), "{empty}");
     }
 }

@@ -52,7 +52,7 @@ pub struct SessionStream {
     cancelled: HashSet<u64>,
     /// Resolves when the node closes: the session ends so the server can stop.
     closed: BoxFuture<'static, ()>,
-    refused: Arc<dyn Fn() + Send + Sync>,
+    refused: Arc<dyn Fn(tonic::Code) + Send + Sync>,
 }
 
 impl SessionStream {
@@ -60,7 +60,7 @@ impl SessionStream {
         service: WorkerService,
         inbound: Streaming<pb::SessionRequest>,
         closed: BoxFuture<'static, ()>,
-        refused: Arc<dyn Fn() + Send + Sync>,
+        refused: Arc<dyn Fn(tonic::Code) + Send + Sync>,
     ) -> Self {
         SessionStream {
             service,
@@ -126,7 +126,7 @@ impl SessionStream {
     }
 
     fn refuse(&self, id: u64, status: Status) -> pb::SessionResponse {
-        (self.refused)();
+        (self.refused)(status.code());
         answer(id, session_response::Kind::Error(session_error(&status)))
     }
 
