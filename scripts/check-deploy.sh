@@ -9,7 +9,8 @@
 #      Kubernetes the chart supports (1.27) and the newest the validator knows; kinds without a
 #      bundled schema fail, except the CRDs named in SKIP_KINDS, which are reported as skipped;
 #      plus invariants of the chart itself (standard labels; Services, PDBs and HPAs that select
-#      rendered pods; probes and Service target ports naming ports that exist; worker grace period
+#      rendered pods, HPAs and KEDA ScaledObjects that scale a rendered workload; probes and
+#      Service target ports naming ports that exist; worker grace period
 #      longer than preStop + drain, readiness on gRPC health, node id and advertised address from
 #      the pod name; non-root pods; images pinned to a tag);
 #   4. hadolint (every rule, style included) on every Dockerfile in docker/;
@@ -87,7 +88,7 @@ import kubernetes_validate.utils as kv
 
 VERSIONS = sys.argv[1].split()
 # CRDs: kubernetes-validate bundles only built-in kinds. Each entry is skipped visibly.
-SKIP_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+SKIP_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
 REQUIRED_LABELS = ["app.kubernetes.io/name", "app.kubernetes.io/instance",
                    "app.kubernetes.io/managed-by", "helm.sh/chart"]
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
@@ -173,7 +174,7 @@ def check_selectors(docs, where, errors, workloads):
             sel = doc["spec"].get("selector")
         elif kind == "PodDisruptionBudget":
             sel = doc["spec"]["selector"].get("matchLabels")
-        elif kind == "HorizontalPodAutoscaler":
+        elif kind in ("HorizontalPodAutoscaler", "ScaledObject"):
             ref = doc["spec"]["scaleTargetRef"]
             if (ref["kind"], ref["name"]) not in names:
                 errors.append(f"{where}: {kind}/{name} scales {ref['kind']}/{ref['name']}, which is not rendered")
@@ -282,7 +283,7 @@ log "schema: every object with properties is closed"
 # do not take), then validate the renders.
 values_files=("" "$CHART"/ci/*.yaml)
 set_variants=(
-    "worker.gpu.enabled=false,serviceAccount.create=false,image.registry=,fullnameOverride=a-forty-character-release-name-012345678"
+    "worker.gpu.enabled=false,serviceAccount.create=false,image.registry=,fullnameOverride=a-forty-character-release-name-012345678,worker.autoscaling.keda.enabled=true"
     "worker.model.source=none,worker.model.path=/opt/model.gguf,router.autoscaling.enabled=false,router.pdb.enabled=false,router.replicaCount=1,worker.preStopSleepSeconds=0,worker.replicas=0"
     "worker.model.source=url,worker.model.url.url=https://example.com/m.gguf,worker.model.url.sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53,worker.model.url.cache=emptyDir,router.service.type=NodePort,router.service.nodePort=30080,etcd.replicas=5"
 )
@@ -339,6 +340,8 @@ must_fail "a plain-text API key in router.auth.tenants" "Additional property key
     "$HELM" template bellows "$CHART" -f "$(neg plainkey $'router:\n  auth:\n    tenants:\n      - name: a\n        key: sk-live-0123456789\n        key_sha256: [2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae]')"
 must_fail "a plain-text key where its hash belongs" "Does not match pattern" \
     "$HELM" template bellows "$CHART" -f "$(neg plainhash $'router:\n  auth:\n    tenants:\n      - name: a\n        key_sha256: [sk-live-0123456789]')"
+must_fail "worker autoscaling with minReplicas above maxReplicas" "is above maxReplicas" \
+    "$HELM" template bellows "$CHART" -f "$(neg keda $'worker:\n  autoscaling:\n    keda:\n      enabled: true\n      minReplicas: 5\n      maxReplicas: 2')"
 must_fail "etcd disabled with no externalEtcd.endpoints" "set externalEtcd.endpoints" \
     "$HELM" template bellows "$CHART" --set etcd.enabled=false
 must_fail "an even number of etcd members" "etcd.replicas" \

@@ -2,7 +2,7 @@
 //! codes, reasons and policies are closed sets, a model label only ever names a model the
 //! cluster serves, a worker label a worker it knows, and tenants come from the tenants file.
 
-use std::sync::Arc;
+use std::sync::{Arc, atomic::AtomicU64};
 
 use prometheus_client::{
     encoding::{EncodeLabelSet, text::encode},
@@ -93,6 +93,53 @@ pub struct Metrics {
     pub prefix_index_trimmed: Counter,
     /// KV block events received from workers (snapshot entries included).
     pub kv_events: Counter,
+    /// The cluster's queue and capacity by model, for autoscalers.
+    pub queue: QueueGauges,
+}
+
+/// What an autoscaler reads, per model: the work waiting and running at the model's placeable
+/// workers (their reports plus this router's requests they do not show yet), how fast it drains,
+/// and the capacity serving it. Set at scrape time.
+#[derive(Default)]
+pub struct QueueGauges {
+    pub waiting_requests: Family<ModelLabels, Gauge>,
+    pub waiting_tokens: Family<ModelLabels, Gauge>,
+    pub running_requests: Family<ModelLabels, Gauge>,
+    pub max_running_requests: Family<ModelLabels, Gauge>,
+    pub prefill_tokens_per_second: Family<ModelLabels, Gauge<f64, AtomicU64>>,
+    pub placeable_workers: Family<ModelLabels, Gauge>,
+}
+
+impl QueueGauges {
+    fn register(&self, r: &mut Registry) {
+        let families = [
+            (
+                "waiting_requests",
+                "Requests waiting for a worker of the model (queued at workers or sent and not yet reported)",
+                &self.waiting_requests,
+            ),
+            (
+                "waiting_tokens",
+                "Prompt tokens still to prefill of the waiting requests, net of cache hits",
+                &self.waiting_tokens,
+            ),
+            ("running_requests", "Sequences running at the model's placeable workers", &self.running_requests),
+            (
+                "max_running_requests",
+                "Sequences the model's placeable workers can run at once, summed",
+                &self.max_running_requests,
+            ),
+            ("placeable_workers", "Workers of the model that can take work", &self.placeable_workers),
+        ];
+        for (name, help, family) in families {
+            r.register(format!("cluster_{name}"), help, family.clone());
+        }
+        r.register(
+            "cluster_prefill_tokens_per_second",
+            "Recent prefill rate of the model's placeable workers, summed: how fast the waiting tokens drain",
+            self.prefill_tokens_per_second.clone(),
+        );
+    }
 }
 
 /// One model's latency histograms, looked up once per request rather than per token.
@@ -141,6 +188,7 @@ impl Metrics {
             prefix_index_entries: Gauge::default(),
             prefix_index_trimmed: Counter::default(),
             kv_events: Counter::default(),
+            queue: QueueGauges::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -211,6 +259,7 @@ impl Metrics {
             "Worker messages received on session streams and not yet taken by their requests (slow readers)",
             m.session_buffered.clone(),
         );
+        m.queue.register(r);
         usage.register(r);
         Arc::new(Metrics { registry, ..m })
     }

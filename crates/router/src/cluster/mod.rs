@@ -25,7 +25,7 @@ use std::{
 
 use bellows_proto::worker::v1 as pb;
 
-use crate::metrics::{ChangeLabels, Metrics, WorkerLabels};
+use crate::metrics::{ChangeLabels, Metrics, ModelLabels, WorkerLabels};
 
 pub use call::{Reply, WorkerCall, WorkerError};
 pub use link::{Dispatched, Load, WorkerLink};
@@ -173,8 +173,32 @@ impl Cluster {
             self.metrics.worker_running.get_or_create(&labels).set(i64::from(load.running));
         }
         drop(links);
-        let entries: usize = self.models().iter().map(|p| p.index.lock().expect("prefix index lock").entries()).sum();
+        let models = self.models();
+        let entries: usize = models.iter().map(|p| p.index.lock().expect("prefix index lock").entries()).sum();
         self.metrics.prefix_index_entries.set(entries as i64);
+        self.export_queue(&models);
+    }
+
+    /// Each model's queue and capacity, summed over its placeable workers (at scrape time, so a
+    /// pass over the pool is fine here).
+    fn export_queue(&self, models: &[Arc<ModelPool>]) {
+        let q = &self.metrics.queue;
+        for family in [&q.waiting_requests, &q.waiting_tokens, &q.running_requests, &q.max_running_requests] {
+            family.clear();
+        }
+        q.placeable_workers.clear();
+        q.prefill_tokens_per_second.clear();
+        for pool in models {
+            let labels = ModelLabels { model: pool.name.clone() };
+            let loads: Vec<Load> = pool.with_workers(|w| w.iter().filter_map(|l| l.load()).collect());
+            let sum = |f: fn(&Load) -> u64| loads.iter().map(f).sum::<u64>() as i64;
+            q.waiting_requests.get_or_create(&labels).set(sum(|l| u64::from(l.waiting_requests)));
+            q.waiting_tokens.get_or_create(&labels).set(sum(|l| l.waiting_tokens));
+            q.running_requests.get_or_create(&labels).set(sum(|l| u64::from(l.running)));
+            q.max_running_requests.get_or_create(&labels).set(sum(|l| u64::from(l.max_running)));
+            q.placeable_workers.get_or_create(&labels).set(loads.len() as i64);
+            q.prefill_tokens_per_second.get_or_create(&labels).set(loads.iter().map(|l| l.prefill_tokens_per_s).sum());
+        }
     }
 
     /// At least one model has a worker that can take work.
