@@ -130,7 +130,8 @@ async fn workers_scaled_up_and_down_under_load_lose_no_request_and_new_ones_take
     })
     .await;
 
-    // Scale down to one: the two leaving drain (finish what they run, deregister, exit).
+    // Scale down to one: the two leaving deregister, finish what they run (the router keeps
+    // their sessions for it) and exit.
     for w in [&mut a, &mut b] {
         w.signal(libc::SIGTERM);
     }
@@ -138,6 +139,8 @@ async fn workers_scaled_up_and_down_under_load_lose_no_request_and_new_ones_take
         assert!(w.wait_exit(Duration::from_secs(30)).success(), "drained and exited");
     }
     wait_placeable(&router, 1.0).await;
+    // Their in-flight requests finished on them: none had to move to another worker.
+    assert_eq!(router.metric("bellows_router_migrations_total").await, 0.0, "a drained worker's streams migrated");
     let served = router.metric("bellows_router_requests_total").await;
     eventually("more requests on the one worker left", Duration::from_secs(10), || async {
         (router.metric("bellows_router_requests_total").await >= served + 8.0).then_some(())

@@ -11,6 +11,11 @@
 //! [`super::session`]), opened with the load stream and followed by the same task: the link is up
 //! only while both are, and either breaking takes it down and starts it over. An older worker
 //! gets a Generate call per request.
+//!
+//! A worker that leaves (it deregistered to drain, or moved) gets no new request, but the
+//! requests already on its session finish there: the link is *retired*, and its session closes
+//! once they have (or after [`RETIRE_LIMIT`]). Closing it at once would cancel them on the
+//! worker, and a draining worker's streams would all migrate instead of finishing.
 
 use std::{
     sync::{
@@ -35,6 +40,10 @@ use super::{
 
 /// Workers report at least every 250 ms; a stream silent this long is treated as broken.
 pub const REPORT_SILENCE: Duration = Duration::from_secs(3);
+/// How long a retired link's session may still carry its requests.
+pub const RETIRE_LIMIT: Duration = Duration::from_secs(120);
+/// How often a retiring link looks whether its requests are done.
+const RETIRE_POLL: Duration = Duration::from_millis(50);
 /// How long a dead worker's reconnect attempts wait, at most.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// HTTP/2 flow-control windows: a session carries every request's answers on one stream, so
@@ -164,13 +173,19 @@ impl WorkerLink {
         Ok(link)
     }
 
-    /// Stop the background task (the worker left).
+    /// The worker left: no new request goes there, and the background task stops, once the
+    /// requests on its session are done (see the module doc).
     pub(super) fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
-        if let Some(task) = self.task.lock().expect("link task lock").take() {
-            task.abort();
-        }
+        let session = self.state.lock().expect("link state lock").session.clone();
         self.set_unplaceable();
+        let Some(task) = self.task.lock().expect("link task lock").take() else { return };
+        match (session, tokio::runtime::Handle::try_current()) {
+            (Some(session), Ok(runtime)) if session.in_flight() > 0 => {
+                runtime.spawn(retire(session, task));
+            }
+            _ => task.abort(),
+        }
     }
 
     pub(super) fn is_closed(&self) -> bool {
@@ -243,7 +258,7 @@ impl WorkerLink {
             } else {
                 s.retain_pending(|p| p.reflected_at.is_none_or(|r| r > seq));
             }
-            s.placeable = !report.draining;
+            s.placeable = !report.draining && !self.is_closed();
             s.report = report;
         });
     }
@@ -301,13 +316,25 @@ impl Drop for Dispatched {
     }
 }
 
+/// Let a retired link's session carry its requests to their end, then stop its task.
+async fn retire(session: Arc<SessionChannel>, task: JoinHandle<()>) {
+    let deadline = tokio::time::Instant::now() + RETIRE_LIMIT;
+    while session.in_flight() > 0 && !task.is_finished() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(RETIRE_POLL).await;
+    }
+    task.abort();
+}
+
 /// Keep the link alive: fetch ModelInfo, join the model's pool, follow WatchLoad; on any
-/// failure stop placing there, back off, and start over.
+/// failure stop placing there, back off, and start over (not once the link is closed).
 async fn maintain(link: Weak<WorkerLink>, cluster: Weak<Cluster>) {
     let mut backoff = Duration::from_millis(50);
     let mut failures = 0u32;
     loop {
         let (Some(l), Some(c)) = (link.upgrade(), cluster.upgrade()) else { return };
+        if l.is_closed() {
+            return;
+        }
         let mut was_up = false;
         let outcome = follow(&l, &c, &mut backoff, &mut was_up).await;
         l.set_unplaceable();
@@ -387,8 +414,9 @@ async fn watch_load(
             Ok(Ok(None)) => anyhow::bail!("load stream ended"),
             Ok(Ok(Some(msg))) => msg,
         };
-        // Most reports carry no cache change: they need not take the index from placement.
-        if msg.kv_snapshot.is_some() || !msg.kv_events.is_empty() {
+        // Most reports carry no cache change: they need not take the index from placement. A
+        // retired link's worker is out of the pool: its blocks are no use to placement.
+        if (msg.kv_snapshot.is_some() || !msg.kv_events.is_empty()) && !link.is_closed() {
             let share = cluster.index_share();
             let trimmed = pool.index.lock().expect("prefix index lock").apply(link.id, &msg, share);
             cluster.metrics.prefix_index_trimmed.inc_by(trimmed as u64);

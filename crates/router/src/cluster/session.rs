@@ -72,6 +72,11 @@ impl SessionChannel {
         }
     }
 
+    /// Requests on the channel that have not had their last answer.
+    pub fn in_flight(&self) -> usize {
+        self.routes.lock().expect("session routes lock").as_ref().map_or(0, HashMap::len)
+    }
+
     /// Route every frame of the worker's stream to its request until the stream ends. Never
     /// waits on a request. The caller holds a [`Closing`] guard for as long as it reads.
     pub async fn demux(&self, stream: &mut tonic::Streaming<pb::SessionResponse>) -> anyhow::Result<()> {
