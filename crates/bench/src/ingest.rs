@@ -47,8 +47,7 @@ fn block(w: u64, n: u64) -> u64 {
 }
 
 fn message(w: u64, first: u64, args: &Args) -> Vec<u8> {
-    let kind = pb::kv_event::Kind::Stored;
-    let stored = (first..first + args.events / 2).map(|n| kind(block(w, n)));
+    let stored = (first..first + args.events / 2).map(|n| pb::kv_event::Kind::Stored(block(w, n)));
     let evicted = (first..first + args.events / 2).map(|n| pb::kv_event::Kind::Evicted(block(w, n - args.pool_blocks)));
     let load = pb::LoadReport { kv_blocks_total: args.pool_blocks as u32, ..Default::default() };
     pb::WatchLoadResponse {

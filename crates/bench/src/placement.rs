@@ -51,7 +51,8 @@ struct Report {
     prefix_index_entries: usize,
     /// Per decision, in microseconds.
     decision_us: Summary,
-    /// Placements on a worker holding the tenant's system prompt (its home block and on).
+    /// Placements on a worker holding at least half of the tenant's system prompt (so its home
+    /// block and on).
     on_a_holder: f64,
     /// Candidates the policy scored, on average.
     candidates: f64,

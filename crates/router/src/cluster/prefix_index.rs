@@ -104,8 +104,8 @@ impl PrefixIndex {
                 None => {}
             }
         }
-        if let (Some(load), Some(lru)) = (&msg.load, self.workers.get_mut(&worker)) {
-            lru.pool_blocks = load.kv_blocks_total as usize;
+        if let (Some(load), Some(clock)) = (&msg.load, self.workers.get_mut(&worker)) {
+            clock.pool_blocks = load.kv_blocks_total as usize;
         }
         self.trim(worker, share)
     }
