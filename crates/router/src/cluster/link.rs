@@ -16,6 +16,12 @@
 //! requests already on its session finish there: the link is *retired*, and its session closes
 //! once they have (or after [`RETIRE_LIMIT`]). Closing it at once would cancel them on the
 //! worker, and a draining worker's streams would all migrate instead of finishing.
+//!
+//! A worker that closes ends its load stream and its session together, once its last request
+//! is done; the session's last answers may still be on the wire when the load stream's end
+//! arrives. So a load stream that *ended* (not one that broke or went silent) lets the session
+//! run to its own end, for at most [`SESSION_GRACE`]: cutting it there would fail requests the
+//! worker had finished.
 
 use std::{
     sync::{
@@ -44,6 +50,8 @@ pub const REPORT_SILENCE: Duration = Duration::from_secs(3);
 pub const RETIRE_LIMIT: Duration = Duration::from_secs(120);
 /// How often a retiring link looks whether its requests are done.
 const RETIRE_POLL: Duration = Duration::from_millis(50);
+/// How long a session may outlive its worker's load stream that ended (see the module doc).
+const SESSION_GRACE: Duration = Duration::from_secs(1);
 /// How long a dead worker's reconnect attempts wait, at most.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// HTTP/2 flow-control windows: a session carries every request's answers on one stream, so
@@ -391,11 +399,24 @@ async fn follow(
     };
     link.state.lock().expect("link state lock").session = Some(channel.clone());
     let _closing = channel.closing();
+    let demux = channel.demux(&mut answers);
+    tokio::pin!(demux);
     tokio::select! {
-        r = watch_load(link, cluster, &pool, stream, backoff, was_up) => r,
-        r = channel.demux(&mut answers) => r,
+        r = watch_load(link, cluster, &pool, stream, backoff, was_up) => {
+            if r.as_ref().is_err_and(|e| e.is::<LoadStreamEnded>()) {
+                link.set_unplaceable();
+                let _ = tokio::time::timeout(SESSION_GRACE, &mut demux).await;
+            }
+            r
+        }
+        r = &mut demux => r,
     }
 }
+
+/// The worker ended its load stream: it is closing (see the module doc).
+#[derive(Debug, thiserror::Error)]
+#[error("load stream ended")]
+struct LoadStreamEnded;
 
 /// Apply the worker's load reports and KV events until the stream fails or goes silent.
 async fn watch_load(
@@ -411,7 +432,7 @@ async fn watch_load(
         let msg = match tokio::time::timeout(REPORT_SILENCE, stream.message()).await {
             Err(_) => anyhow::bail!("no load report for {REPORT_SILENCE:?}"),
             Ok(Err(status)) => anyhow::bail!("load stream failed: {}", status.message()),
-            Ok(Ok(None)) => anyhow::bail!("load stream ended"),
+            Ok(Ok(None)) => return Err(LoadStreamEnded.into()),
             Ok(Ok(Some(msg))) => msg,
         };
         // Most reports carry no cache change: they need not take the index from placement. A
