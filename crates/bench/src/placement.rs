@@ -11,6 +11,7 @@
 
 use std::{path::PathBuf, sync::Arc, time::Duration, time::Instant};
 
+use bellows_common::priority::Priority;
 use bellows_router::{
     admission::Admission,
     cluster::{Cluster, ModelPool},
@@ -75,7 +76,8 @@ pub fn run(rt: &tokio::runtime::Runtime, args: Args) -> anyhow::Result<()> {
         let hashes = pool.block_hashes(&tokens, None);
         let shape = PromptShape { tokens: tokens.len(), block_size: pool.block_size, hashes: &hashes };
         let started = Instant::now();
-        let ticket = admission.admit(cluster.queue()).map_err(|_| anyhow::anyhow!("admission refused"))?;
+        let ticket =
+            admission.admit(cluster.queue(), Priority::Standard).map_err(|_| anyhow::anyhow!("admission refused"))?;
         let placed = placement::place(&pool, policy.as_ref(), shape, &[], Duration::from_secs(2))
             .ok_or_else(|| anyhow::anyhow!("no placeable worker"))?;
         let pending = placed.worker.dispatch(tokens.len() - placed.cached_blocks * pool.block_size);

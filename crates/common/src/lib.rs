@@ -6,5 +6,6 @@ pub mod cluster;
 pub mod constraint;
 pub mod duration;
 pub mod prefix_hash;
+pub mod priority;
 pub mod sampling_limits;
 pub mod telemetry;

@@ -16,7 +16,7 @@
 use std::{sync::Arc, time::Duration};
 
 use bellows_common::telemetry;
-use bellows_common::{constraint::Constraint, prefix_hash::BlockHash};
+use bellows_common::{constraint::Constraint, prefix_hash::BlockHash, priority::Priority};
 use bellows_proto::worker::v1 as pb;
 use tokio::sync::mpsc;
 use tracing::field::Empty;
@@ -104,6 +104,8 @@ pub struct Choice {
     pub cache_salt: Option<String>,
     /// The client reads the answer as it streams (not only whole).
     pub stream: bool,
+    /// Its class, which the worker orders its queue by.
+    pub priority: Priority,
     /// The request's place under the global cap (on its first choice): given back the moment
     /// the choice is counted as pending at its worker, so the request is never counted twice
     /// and never missed.
@@ -336,6 +338,7 @@ impl Dispatcher {
             // Sent again on a migration: the new worker replays the resumed tokens through it.
             constraint: params.structured.as_ref().map(|s| constraint_frame(&s.constraint)),
             top_logprobs: params.top_logprobs,
+            priority: priority_frame(choice.priority) as i32,
         }
     }
 
@@ -374,6 +377,14 @@ impl Dispatcher {
             generated = progress.generated.len(),
             "worker attempt failed: {error}"
         );
+    }
+}
+
+fn priority_frame(p: Priority) -> pb::Priority {
+    match p {
+        Priority::Interactive => pb::Priority::Interactive,
+        Priority::Standard => pb::Priority::Standard,
+        Priority::Batch => pb::Priority::Batch,
     }
 }
 

@@ -23,6 +23,7 @@ use std::{
 
 use anyhow::Context;
 use axum::serve::ListenerExt;
+use bellows_common::priority::Priority;
 
 use crate::{
     admission::Admission,
@@ -114,6 +115,7 @@ fn fair_queue(
     let config = FairQueueConfig {
         max_queued_per_tenant: args.fair_queue_depth,
         timeout: args.fair_queue_timeout,
+        reserve: Priority::ALL.map(|c| admission.reserve(c)),
         ..FairQueueConfig::default()
     };
     let queue = Arc::new(FairQueue::new(config, room));

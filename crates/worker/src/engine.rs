@@ -249,6 +249,7 @@ impl EngineHandle {
         let root = ChainRoot::for_model(&sh.spec.model_id, req.cache_salt.as_deref());
         let mut seq = Sequence::new(SequenceInit {
             id: sh.next_id.fetch_add(1, Relaxed),
+            priority: req.priority,
             sampler: Sampler::new(req.params, &req.prompt),
             grammar,
             top_logprobs: req.top_logprobs.map(|k| k as usize),

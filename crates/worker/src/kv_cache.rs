@@ -103,6 +103,12 @@ impl BlockPool {
         hashes.iter().filter(|h| self.by_hash.get(h).is_some_and(|b| self.meta[b.index()].refs == 0)).count()
     }
 
+    /// How many of a sequence's `blocks` releasing them would make available (those it alone
+    /// references).
+    pub fn freed_by(&self, blocks: &[BlockId]) -> usize {
+        blocks.iter().filter(|b| self.meta[b.index()].refs == 1).count()
+    }
+
     /// Take a reference on the blocks of the leading cached `hashes`; returns them in order.
     pub fn acquire_prefix(&mut self, hashes: &[BlockHash]) -> Vec<BlockId> {
         let mut out = Vec::new();

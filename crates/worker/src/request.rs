@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use bellows_common::constraint::Constraint;
+use bellows_common::{constraint::Constraint, priority::Priority};
 
 use crate::sampling::SamplingParams;
 
@@ -30,6 +30,8 @@ pub struct GenerateRequest {
     /// Report each token's log-probability and this many alternatives (at most
     /// [`MAX_TOP_LOGPROBS`]); `None` = no logprobs.
     pub top_logprobs: Option<u32>,
+    /// Its class in the waiting queue and in preemption (see [`crate::scheduler`]).
+    pub priority: Priority,
 }
 
 /// The most alternatives a request may ask for per token (OpenAI's limit).
@@ -65,6 +67,7 @@ impl GenerateRequest {
             resumed_tokens: 0,
             constraint: None,
             top_logprobs: None,
+            priority: Priority::Standard,
         }
     }
 }

@@ -2,8 +2,13 @@
 //!
 //! Each tick:
 //! 1. drops requests whose caller went away (their blocks return to the pool at once);
-//! 2. admits waiting requests, oldest first, while running slots and KV blocks allow, reusing
-//!    every cached leading block of the prompt;
+//! 2. admits waiting requests, by class and then oldest first, while running slots and KV blocks
+//!    allow, reusing every cached leading block of the prompt. A request that does not fit may
+//!    take the slot and blocks of lower-class requests that have produced no token yet (they wait
+//!    again, first in their class, and start over: a client that has seen nothing loses
+//!    nothing); a streaming one is never taken. Batch requests leave the last
+//!    [`batch_reserve`] running slots free, so an arrival of a higher class finds a slot even when
+//!    batch work fills the worker;
 //! 3. gives every decoding sequence one token, growing its blocks; when the pool is empty the
 //!    *newest* running sequence is preempted (blocks freed, re-prefilled later), never an
 //!    out-of-memory and never the oldest, which is closest to done;
@@ -30,6 +35,7 @@ use std::{
 use bellows_common::{
     constraint::ConstraintError,
     prefix_hash::{BlockHash, ChainRoot, block_hash, prefix_block_hashes},
+    priority::Priority,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -67,6 +73,12 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig { block_size: 16, max_batch_tokens: 256, max_running: 64, max_waiting: 256, itl_slowdown: None }
     }
+}
+
+/// Running slots batch requests leave free for higher classes: an eighth of `max_running`, at
+/// least one when there are two or more.
+pub fn batch_reserve(max_running: usize) -> usize {
+    if max_running < 2 { 0 } else { max_running.div_ceil(8) }
 }
 
 /// Steers the prefill tokens of mixed steps so that they stay *under* `slowdown` x the
@@ -151,6 +163,7 @@ impl PrefillGovernor {
 /// One request's whole state, from submission to its last event.
 pub struct Sequence {
     pub id: u64,
+    priority: Priority,
     /// Prompt followed by the generated tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -196,6 +209,7 @@ enum Advance {
 /// Everything needed to build a [`Sequence`].
 pub struct SequenceInit {
     pub id: u64,
+    pub priority: Priority,
     pub prompt: Vec<u32>,
     pub max_len: usize,
     pub root: ChainRoot,
@@ -213,6 +227,7 @@ impl Sequence {
     pub fn new(i: SequenceInit) -> Self {
         Sequence {
             id: i.id,
+            priority: i.priority,
             prompt_len: i.prompt.len(),
             tokens: i.prompt,
             max_len: i.max_len,
@@ -291,6 +306,12 @@ impl Sequence {
         self.tokens.len() - self.computed
     }
 
+    /// It produced a token here: its client may be reading it, so it is never preempted for
+    /// another request's sake.
+    fn streaming(&self) -> bool {
+        self.tokens.len() > self.prompt_len
+    }
+
     fn usage(&self) -> Usage {
         Usage {
             prompt_tokens: self.prompt_len as u32,
@@ -332,8 +353,17 @@ impl Scheduler {
 
     pub fn add(&mut self, mut seq: Sequence) {
         seq.expected_cached = self.pool.cached_prefix_len(&self.matchable_hashes(&seq)) * self.cfg.block_size;
-        self.waiting.push_back(seq);
+        // Last of its class: behind every request of its class or a higher one.
+        let at = self.waiting.partition_point(|w| w.priority <= seq.priority);
+        self.waiting.insert(at, seq);
         self.publish_gauges();
+    }
+
+    /// Put a preempted sequence back: first of its class, since it was admitted before the
+    /// others of its class that wait.
+    fn requeue(&mut self, seq: Sequence) {
+        let at = self.waiting.partition_point(|w| w.priority < seq.priority);
+        self.waiting.insert(at, seq);
     }
 
     pub fn is_idle(&self) -> bool {
@@ -464,19 +494,23 @@ impl Scheduler {
         self.stats.waiting_requests.fetch_sub(uncounted, Relaxed);
     }
 
-    /// Move waiting requests into the running set while slots and blocks allow (FIFO: a request
-    /// that does not fit blocks those behind it, so large prompts are not starved by small ones).
+    /// Move waiting requests into the running set while slots and blocks allow (in queue order:
+    /// a request that does not fit blocks those behind it, so large prompts are not starved by
+    /// small ones). One that does not fit may preempt lower classes (see the module docs).
     fn admit(&mut self) {
         let bs = self.cfg.block_size;
-        while self.running.len() < self.cfg.max_running {
-            let Some(s) = self.waiting.front() else { break };
+        while let Some(s) = self.waiting.front() {
+            let slots = self.slots_for(s.priority);
             let hashes = self.matchable_hashes(s);
             let hit = self.pool.cached_prefix_len(&hashes);
-            let need_total = s.tokens.len().div_ceil(bs);
-            let need_new = need_total - hit;
+            let need_new = s.tokens.len().div_ceil(bs) - hit;
             // Matched blocks that nobody references are counted in `available` too.
-            let matched_idle = self.pool.unreferenced_among(&hashes[..hit]);
-            if self.pool.available() < need_new + matched_idle {
+            let blocks = need_new + self.pool.unreferenced_among(&hashes[..hit]);
+            if self.running.len() >= slots || self.pool.available() < blocks {
+                // Preempting changes what is cached and free: look again before admitting.
+                if self.preempt_for(s.priority, slots, blocks) {
+                    continue;
+                }
                 break;
             }
             let mut s = self.waiting.pop_front().expect("front exists");
@@ -529,14 +563,59 @@ impl Scheduler {
     }
 
     fn preempt_newest(&mut self) {
-        let mut s = self.running.pop().expect("a running sequence to preempt");
+        let s = self.running.pop().expect("a running sequence to preempt");
+        self.preempt(s, "KV pool full");
+    }
+
+    /// Free a running sequence's blocks and put it back to wait; it starts over when admitted.
+    fn preempt(&mut self, mut s: Sequence, why: &'static str) {
         self.pool.release(&s.blocks);
         s.blocks.clear();
         s.hashes.clear();
         s.computed = 0;
         self.stats.preemptions.fetch_add(1, Relaxed);
-        tracing::debug!(request = s.id, "preempted: KV pool full");
-        self.waiting.push_front(s);
+        tracing::debug!(request = s.id, priority = %s.priority, "preempted: {why}");
+        self.requeue(s);
+    }
+
+    /// Running slots a request of `class` may fill: batch leaves [`batch_reserve`] free.
+    fn slots_for(&self, class: Priority) -> usize {
+        let max = self.cfg.max_running;
+        if class == Priority::Batch { max - batch_reserve(max) } else { max }
+    }
+
+    /// Make room (a slot below `slots`, `blocks` free) for a waiting request of `class` by
+    /// preempting lower-class sequences that have produced no token, lowest class and newest
+    /// first. Preempts nothing unless all of them together would make the room. Whether it did.
+    fn preempt_for(&mut self, class: Priority, slots: usize, blocks: usize) -> bool {
+        let mut victims: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].priority > class && !self.running[i].streaming())
+            .collect();
+        // Lowest class first, then the newest admission (the back of `running`).
+        victims.sort_by_key(|&i| (std::cmp::Reverse(self.running[i].priority), std::cmp::Reverse(i)));
+        let freeable: usize = victims.iter().map(|&i| self.pool.freed_by(&self.running[i].blocks)).sum();
+        let slot_short = (self.running.len() + 1).saturating_sub(slots);
+        let block_short = blocks.saturating_sub(self.pool.available());
+        if victims.is_empty() || victims.len() < slot_short || freeable < block_short {
+            return false;
+        }
+        let (mut freed_slots, mut freed_blocks) = (0, 0);
+        let mut taken = Vec::new();
+        for i in victims {
+            if !taken.is_empty() && freed_slots >= slot_short && freed_blocks >= block_short {
+                break;
+            }
+            freed_slots += 1;
+            freed_blocks += self.pool.freed_by(&self.running[i].blocks);
+            taken.push(i);
+        }
+        // Highest index first, so the indices left stay valid.
+        taken.sort_unstable_by(|a, b| b.cmp(a));
+        for i in taken {
+            let s = self.running.remove(i);
+            self.preempt(s, "a higher class needs its place");
+        }
+        true
     }
 
     fn plan(&mut self) -> Vec<Planned> {

@@ -6,7 +6,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bellows_common::prefix_hash::{ChainRoot, prefix_block_hashes};
+use bellows_common::{
+    prefix_hash::{ChainRoot, prefix_block_hashes},
+    priority::Priority,
+};
 use bellows_worker::{
     engine::{Engine, EngineConfig, EngineHandle},
     kv_cache::KvEvent,
@@ -383,4 +386,72 @@ fn greedy_logprobs_put_the_chosen_token_first_and_do_not_depend_on_the_batch() {
     assert_eq!(none.tokens, alone.iter().map(|(id, _)| *id).collect::<Vec<_>>(), "asking changes no token");
     let too_many = h.submit(with_logprobs(vec![1], 21)).unwrap_err();
     assert!(matches!(too_many, SubmitError::InvalidParameter { param: "top_logprobs", .. }), "{too_many}");
+}
+
+fn classed(prompt: Vec<u32>, max_tokens: u32, priority: Priority) -> GenerateRequest {
+    GenerateRequest { priority, ..req(prompt, max_tokens) }
+}
+
+fn engine_with(sim: SimConfig, scheduler: SchedulerConfig) -> Engine {
+    sim_engine(sim, EngineConfig { scheduler, ..Default::default() })
+}
+
+#[test]
+fn higher_classes_take_the_slots_batch_leaves_free_and_wait_ahead_of_batch() {
+    // Four slots: batch fills three, the fourth is the higher classes' reserve.
+    let sim = SimConfig { base_us: 2000, ..fast() };
+    let e = engine_with(sim, SchedulerConfig { max_running: 4, ..Default::default() });
+    let h = e.handle();
+    let running: Vec<_> = (0..3).map(|i| h.submit(classed(vec![1 + i; 4], 40, Priority::Batch)).unwrap()).collect();
+    let queued: Vec<_> = (0..4).map(|i| h.submit(classed(vec![10 + i; 4], 40, Priority::Batch)).unwrap()).collect();
+    wait_until("three batch requests running, four waiting", || {
+        let s = h.stats();
+        s.running_requests == 3 && s.waiting_requests == 4
+    });
+    let reserved = h.submit(classed(vec![20; 4], 4, Priority::Standard)).unwrap();
+    wait_until("the standard request in the reserved slot", || h.stats().running_requests == 4);
+    // No slot left: this one waits, but ahead of the four batch requests queued before it.
+    let next = h.submit(classed(vec![21; 4], 4, Priority::Interactive)).unwrap();
+    let queued: Vec<_> = queued.into_iter().map(|rx| std::thread::spawn(move || collect(rx))).collect();
+    let (reserved, next) = (collect(reserved), collect(next));
+    let batch_first = queued
+        .into_iter()
+        .map(|t| t.join().unwrap().first_token_at.expect("batch completes"))
+        .min()
+        .expect("four batch requests");
+    assert!(reserved.first_token_at.unwrap() < batch_first);
+    assert!(next.first_token_at.unwrap() < batch_first, "the interactive request waited behind batch work");
+    running.into_iter().for_each(|rx| assert_eq!(collect(rx).tokens.len(), 40));
+    assert_eq!(h.stats().preemptions, 0, "every batch request was streaming or waiting: none preempted");
+}
+
+#[test]
+fn a_higher_class_arrival_preempts_a_prefilling_lower_one_which_resumes_and_completes_identically() {
+    let long: Vec<u32> = (0..2000).map(|t| 1 + t % 900).collect();
+    let alone = run(&sim_engine(fast(), EngineConfig::default()).handle(), req(long.clone(), 8)).tokens;
+    // One slot and 32 tokens a step: the batch prompt is still prefilling when the other arrives.
+    let e = engine_with(fast(), SchedulerConfig { max_running: 1, max_batch_tokens: 32, ..Default::default() });
+    let h = e.handle();
+    let batch = h.submit(classed(long, 8, Priority::Batch)).unwrap();
+    wait_until("the batch prompt prefilling", || h.stats().prefill_tokens >= 64);
+    let urgent = collect(h.submit(classed(vec![7; 8], 4, Priority::Interactive)).unwrap());
+    let batch = collect(batch);
+    assert!(urgent.first_token_at < batch.first_token_at, "the interactive request waited for a whole prefill");
+    assert_eq!(batch.tokens, alone, "the preempted request starts over and ends as it would have");
+    assert_eq!(h.stats().preemptions, 1);
+}
+
+#[test]
+fn a_lower_class_request_already_streaming_is_never_preempted() {
+    let e = engine_with(fast(), SchedulerConfig { max_running: 1, ..Default::default() });
+    let h = e.handle();
+    let mut batch = h.submit(classed(vec![3; 8], 200, Priority::Batch)).unwrap();
+    while !matches!(batch.blocking_recv(), Some(Event::Token { .. })) {}
+    let urgent = h.submit(classed(vec![7; 8], 4, Priority::Interactive)).unwrap();
+    let urgent = std::thread::spawn(move || collect(urgent));
+    let batch = collect(batch);
+    let urgent = urgent.join().unwrap();
+    assert_eq!(batch.tokens.len(), 199, "the batch stream ran to its end");
+    assert!(batch.first_token_at < urgent.first_token_at, "the interactive request waited for the slot");
+    assert_eq!(h.stats().preemptions, 0);
 }

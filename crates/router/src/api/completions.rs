@@ -19,7 +19,7 @@ use axum::{
         sse::{Event, KeepAlive, Sse},
     },
 };
-use bellows_common::{chat_template::ChatTemplate, prefix_hash::BlockHash, telemetry};
+use bellows_common::{chat_template::ChatTemplate, prefix_hash::BlockHash, priority::Priority, telemetry};
 use futures_util::{Stream, StreamExt, stream};
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -71,6 +71,7 @@ async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, b
         gen_ai.usage.output_tokens = Empty,
         gen_ai.usage.cached_input_tokens = Empty,
         bellows.tenant = Empty,
+        bellows.priority = Empty,
         bellows.request_id = Empty,
         trace_id = Empty,
     );
@@ -142,9 +143,18 @@ async fn complete(
     let tenant = state.tenants.authenticate(authorization).map_err(|_| ApiError::Unauthorized)?;
     span.record("bellows.tenant", tenant.name.as_str());
     who.tenant = Some(tenant.clone());
-    let ticket = admit_at_cap(state)?;
+    let ticket = admit_at_cap(state, tenant.most_urgent())?;
     let bytes = read_body(state, headers, body).await?;
     let mut job = request::parse(endpoint, &bytes)?;
+    let class = tenant.class(job.priority)?;
+    span.record("bellows.priority", class.as_str());
+    if ticket.is_some() {
+        let queue = state.cluster.queue();
+        state
+            .admission
+            .recheck(queue, class)
+            .map_err(|retry_after| ApiError::Overloaded { reason: Overload::QueueFull, retry_after })?;
+    }
     span.record("gen_ai.request.model", job.model.as_str());
     if let Some(m) = job.params.max_tokens {
         span.record("gen_ai.request.max_tokens", m);
@@ -161,12 +171,12 @@ async fn complete(
     let cache_salt = tenant.cache_salt();
     let tokenized = tokenize_job(state, &pool, &mut job, &cache_salt).await?;
     check_against_model(&pool, &job, &tokenized)?;
-    let accounting = charge(state, &tenant, &pool, &mut job, &tokenized).await?;
+    let accounting = charge(state, &tenant, class, &pool, &mut job, &tokenized).await?;
 
     let id = new_id(endpoint);
     span.record("gen_ai.response.id", id.as_str());
     span.record("bellows.request_id", id.as_str());
-    let choices = choices(&job, &tokenized, &id, &cache_salt, ticket, span);
+    let choices = choices(&job, class, &tokenized, &id, &cache_salt, ticket, span);
     let reply = Reply {
         endpoint,
         id,
@@ -216,6 +226,7 @@ async fn tokenize_job(
 async fn charge(
     state: &AppState,
     tenant: &Arc<Tenant>,
+    class: Priority,
     pool: &ModelPool,
     job: &mut Job,
     tokenized: &[Tokenized],
@@ -234,7 +245,8 @@ async fn charge(
         None => None,
         Some(queue) => {
             let cost = prompt_tokens as u64 + u64::from(job.params.max_tokens.unwrap_or(0)) * u64::from(job.n);
-            let waited = queue.wait_turn(tenant, cost).instrument(tracing::info_span!("admission.fair_queue")).await;
+            let waited =
+                queue.wait_turn(tenant, class, cost).instrument(tracing::info_span!("admission.fair_queue")).await;
             match waited {
                 Ok(turn) => Some(turn),
                 Err(rejection) => {
@@ -258,6 +270,7 @@ async fn charge(
 /// repeat.
 fn choices(
     job: &Job,
+    priority: Priority,
     tokenized: &[Tokenized],
     id: &str,
     cache_salt: &Option<String>,
@@ -278,6 +291,7 @@ fn choices(
                 params,
                 cache_salt: cache_salt.clone(),
                 stream: job.stream,
+                priority,
                 ticket: ticket.take(),
                 span: span.clone(),
             });
@@ -314,15 +328,16 @@ async fn answer(
     answer
 }
 
-/// Without fair sharing, the global cap refuses at once, before the body is read; the ticket
-/// holds the request's place under it. With fair sharing there is no ticket here: the request
+/// Without fair sharing, the global cap refuses at once, before the body is read (at the cap of
+/// the tenant's most urgent class; the request's own class is checked once the body names
+/// it); the ticket holds the request's place under it. With fair sharing there is no ticket here: the request
 /// queues for its fair share later, once tokenization gives its cost.
-fn admit_at_cap(state: &AppState) -> Result<Option<Ticket>, ApiError> {
+fn admit_at_cap(state: &AppState, class: Priority) -> Result<Option<Ticket>, ApiError> {
     if state.fair_queue.is_some() {
         return Ok(None);
     }
     let queue = state.cluster.queue();
-    let admitted = state.admission.admit(queue);
+    let admitted = state.admission.admit(queue, class);
     tracing::info_span!(
         "admission",
         bellows.waiting_requests = queue.waiting_requests,

@@ -144,7 +144,9 @@ impl ApiError {
             ApiError::WorkerFailed(_) => StatusCode::BAD_GATEWAY,
             ApiError::WorkerTimeout => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
-            ApiError::Limited(LimitError::ModelNotAllowed { .. }) => StatusCode::FORBIDDEN,
+            ApiError::Limited(LimitError::ModelNotAllowed { .. } | LimitError::PriorityNotAllowed { .. }) => {
+                StatusCode::FORBIDDEN
+            }
             ApiError::Limited(LimitError::MaxTokens { .. }) => StatusCode::BAD_REQUEST,
             ApiError::Limited(LimitError::RateLimited { .. }) => StatusCode::TOO_MANY_REQUESTS,
         }
@@ -240,6 +242,15 @@ fn limit_body(e: &LimitError) -> (String, &'static str, Option<String>, Option<&
             "invalid_request_error",
             Some("model".into()),
             Some("model_not_allowed"),
+        ),
+        LimitError::PriorityNotAllowed { class } => (
+            format!(
+                "This API key may not send requests of the {class} priority class (service_tier '{}').",
+                class.service_tier()
+            ),
+            "invalid_request_error",
+            Some("service_tier".into()),
+            Some("priority_not_allowed"),
         ),
         LimitError::MaxTokens { requested, allowed } => (
             format!("max_tokens is {requested}, but this API key allows at most {allowed}."),

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use bellows_common::{
     chat_template::ChatMessage,
     constraint::{Constraint, SchemaError},
+    priority::Priority,
     sampling_limits::{self as limits, Range},
 };
 use bellows_proto::worker::v1 as pb;
@@ -89,6 +90,8 @@ pub struct Job {
     pub user: Option<String>,
     /// Chat only: the functions the model may call, and how.
     pub tools: Option<Tools>,
+    /// The class it asked for (`service_tier` or `priority`); `None`: the tenant's default.
+    pub priority: Option<Priority>,
 }
 
 impl Job {
@@ -133,7 +136,9 @@ struct RawRequest {
     tool_choice: Option<Value>,
     parallel_tool_calls: Option<bool>,
     response_format: Option<Value>,
+    service_tier: Option<String>,
     // vLLM extensions, handy for benchmarks.
+    priority: Option<i64>,
     ignore_eos: Option<bool>,
     stop_token_ids: Option<Vec<u32>>,
     // vLLM's structured-output extensions (docs/structured-outputs.md).
@@ -201,6 +206,7 @@ fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
     let max_tokens = max_tokens(raw.max_completion_tokens, raw.max_tokens)?;
     let sampling = sampling(&mut raw)?;
     let stop = stop(raw.stop.take())?;
+    let priority = priority(raw.service_tier.as_deref(), raw.priority)?;
     Ok(Job {
         endpoint,
         model: raw.model,
@@ -219,7 +225,27 @@ fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
         },
         user: raw.user,
         tools,
+        priority,
     })
+}
+
+/// The class a request names: OpenAI's `service_tier` or vLLM's `priority` (both, only if
+/// they agree).
+fn priority(service_tier: Option<&str>, vllm: Option<i64>) -> Result<Option<Priority>, ApiError> {
+    let tier = service_tier
+        .map(Priority::from_service_tier)
+        .transpose()
+        .map_err(|_| {
+            ApiError::invalid("service_tier", "'service_tier' must be one of 'auto', 'default', 'priority' or 'flex'")
+        })?
+        .flatten();
+    match (tier, vllm.map(Priority::from_vllm)) {
+        (Some(a), Some(b)) if a != b => Err(ApiError::invalid(
+            "priority",
+            format!("'priority' names the {b} class but 'service_tier' names {a}: send one of them"),
+        )),
+        (tier, vllm) => Ok(tier.or(vllm)),
+    }
 }
 
 /// The endpoint's own input: `messages` for chat, `prompt` for completions.
@@ -584,6 +610,21 @@ mod tests {
         assert_eq!(job.params.max_tokens, None);
         assert_eq!(job.params.sampling, pb::SamplingParams::default());
         assert_eq!(job.input, Input::Chat(vec![ChatMessage::new("user".into(), "hi".into())]));
+    }
+
+    #[test]
+    fn a_class_is_named_by_service_tier_or_vllm_priority_and_a_conflict_is_refused() {
+        let with =
+            |extra: &str| chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#));
+        assert_eq!(with("").unwrap().priority, None);
+        assert_eq!(with(r#","service_tier":"auto""#).unwrap().priority, None);
+        assert_eq!(with(r#","service_tier":"priority""#).unwrap().priority, Some(Priority::Interactive));
+        assert_eq!(with(r#","service_tier":"flex""#).unwrap().priority, Some(Priority::Batch));
+        assert_eq!(with(r#","priority":-1"#).unwrap().priority, Some(Priority::Interactive));
+        assert_eq!(with(r#","priority":10,"service_tier":"flex""#).unwrap().priority, Some(Priority::Batch));
+        assert_eq!(param_of(with(r#","service_tier":"scale""#).unwrap_err()), Some("service_tier".into()));
+        assert_eq!(param_of(with(r#","priority":-1,"service_tier":"flex""#).unwrap_err()), Some("priority".into()));
+        assert_eq!(param_of(with(r#","priority":"high""#).unwrap_err()), Some("priority".into()));
     }
 
     #[test]

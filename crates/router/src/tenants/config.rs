@@ -16,6 +16,8 @@
 //!     max_tokens: 4096
 //!     weight: 1                    # fair share under load (> 0, default 1)
 //!     isolate_prefix_cache: false
+//!     priority: standard           # class of requests that name none (docs/priority.md)
+//!     priorities: [standard, batch]  # classes it may ask for; absent: all
 //! ```
 //!
 //! Keys exist here only as hashes (`printf %s "$KEY" | sha256sum`), so the file (and the Secret
@@ -26,8 +28,11 @@
 
 use std::{collections::HashMap, sync::Arc};
 
+use bellows_common::priority::Priority;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+
+use super::limits::LimitError;
 
 /// The tenant that stands for every caller when auth is off (no tenants file).
 pub const ANONYMOUS: &str = "anonymous";
@@ -52,6 +57,10 @@ pub struct Tenant {
     /// Share of the cluster under load, relative to the other tenants' weights.
     pub weight: f64,
     pub isolate_prefix_cache: bool,
+    /// The class of its requests that name none (or `service_tier: auto`); always allowed.
+    pub priority: Priority,
+    /// Classes its requests may name; `None`: all.
+    pub priorities: Option<Vec<Priority>>,
 }
 
 impl Tenant {
@@ -66,7 +75,23 @@ impl Tenant {
             max_tokens: None,
             weight: 1.0,
             isolate_prefix_cache: false,
+            priority: Priority::Standard,
+            priorities: None,
         })
+    }
+
+    /// The most urgent class its requests may name.
+    pub fn most_urgent(&self) -> Priority {
+        self.priorities.as_ref().and_then(|p| p.iter().min().copied()).unwrap_or(Priority::Interactive)
+    }
+
+    /// The class a request runs in: the one it asked for, if allowed, or the tenant's default.
+    pub fn class(&self, requested: Option<Priority>) -> Result<Priority, LimitError> {
+        let class = requested.unwrap_or(self.priority);
+        match &self.priorities {
+            Some(allowed) if !allowed.contains(&class) => Err(LimitError::PriorityNotAllowed { class }),
+            _ => Ok(class),
+        }
     }
 
     pub fn allows_model(&self, model: &str) -> bool {
@@ -142,6 +167,10 @@ struct RawTenant {
     weight: Option<f64>,
     #[serde(default)]
     isolate_prefix_cache: Option<bool>,
+    #[serde(default)]
+    priority: Option<Priority>,
+    #[serde(default)]
+    priorities: Option<Vec<Priority>>,
 }
 
 /// Parse and check a whole tenants file.
@@ -198,6 +227,8 @@ pub fn parse(text: &str) -> Result<TenantsConfig, ConfigError> {
         if !(weight.is_finite() && weight > 0.0) {
             return Err(field_error("weight", format!("must be a number greater than 0, not {weight}")));
         }
+        let priority =
+            default_class(raw.priority, raw.priorities.as_deref()).map_err(|m| field_error("priority", m))?;
         if names.insert(raw.name.clone(), index).is_some() {
             return Err(ConfigError::DuplicateName(raw.name));
         }
@@ -211,9 +242,26 @@ pub fn parse(text: &str) -> Result<TenantsConfig, ConfigError> {
             max_tokens: raw.max_tokens,
             weight,
             isolate_prefix_cache: raw.isolate_prefix_cache.unwrap_or(false),
+            priority,
+            priorities: raw.priorities,
         }));
     }
     Ok(config)
+}
+
+/// A tenant's default class: as given (it must be allowed), else `standard` if allowed, else
+/// its most urgent allowed class.
+fn default_class(given: Option<Priority>, allowed: Option<&[Priority]>) -> Result<Priority, String> {
+    let Some(allowed) = allowed else { return Ok(given.unwrap_or_default()) };
+    if allowed.is_empty() {
+        return Err("'priorities' must name at least one class".into());
+    }
+    match given {
+        Some(p) if !allowed.contains(&p) => Err(format!("{p} is not among the tenant's 'priorities'")),
+        Some(p) => Ok(p),
+        None if allowed.contains(&Priority::Standard) => Ok(Priority::Standard),
+        None => Ok(*allowed.iter().min().expect("not empty")),
+    }
 }
 
 fn check_name(name: &str) -> Result<(), String> {
@@ -284,6 +332,31 @@ pub(crate) mod tests {
         parse(text).unwrap_err().to_string()
     }
 
+    fn one(fields: &str) -> Result<TenantsConfig, ConfigError> {
+        parse(&format!("tenants:\n- name: a\n  key_sha256: [{}]\n{fields}", key_hash("k")))
+    }
+
+    #[test]
+    fn a_tenant_gets_a_default_class_within_the_classes_it_may_use() {
+        let class = |fields: &str| one(fields).map(|c| (c.tenants[0].priority, c.tenants[0].priorities.clone()));
+        assert_eq!(class("").unwrap(), (Priority::Standard, None));
+        assert_eq!(class("  priority: batch\n").unwrap().0, Priority::Batch);
+        assert_eq!(class("  priorities: [batch]\n").unwrap().0, Priority::Batch, "the only one allowed");
+        assert_eq!(class("  priorities: [interactive, standard]\n").unwrap().0, Priority::Standard);
+        for bad in ["  priority: urgent\n", "  priority: interactive\n  priorities: [batch]\n", "  priorities: []\n"] {
+            let e = one(bad).unwrap_err().to_string();
+            assert!(e.contains("priorit"), "{bad:?}: {e}");
+        }
+        let t = &one("  priorities: [standard, batch]\n").unwrap().tenants[0];
+        assert_eq!(t.class(None), Ok(Priority::Standard));
+        assert_eq!(t.class(Some(Priority::Batch)), Ok(Priority::Batch));
+        assert_eq!(
+            t.class(Some(Priority::Interactive)),
+            Err(LimitError::PriorityNotAllowed { class: Priority::Interactive })
+        );
+        assert_eq!(t.most_urgent(), Priority::Standard);
+    }
+
     #[test]
     fn the_charts_example_tenant_parses_with_every_field() {
         // The commented example in deploy/helm/bellows/values.yaml, as the chart's toYaml writes it.
@@ -307,6 +380,8 @@ pub(crate) mod tests {
                 max_tokens: Some(4096),
                 weight: 1.0,
                 isolate_prefix_cache: false,
+                priority: Priority::Standard,
+                priorities: None,
             }
         );
         // 9f86d0... is sha256("test").

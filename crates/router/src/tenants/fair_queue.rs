@@ -10,6 +10,14 @@
 //! they have queued, and over time each busy tenant gets a share of the tokens proportional to its
 //! weight. A tenant that stops waiting loses its deficit: no credit is saved up while idle.
 //!
+//! Priority classes come first: each class has its own tenant queues, and a grant goes to a
+//! class by smooth weighted round robin over the classes that have requests waiting and room
+//! ([`CLASS_WEIGHTS`]: 16 interactive, 4 standard, 1 batch). So while interactive requests wait
+//! they get 16 of every 21 turns, and batch, when every class is backlogged, still 1 in 21: a
+//! class is never starved. A class may also be kept off the last slots (`reserve`): the room it
+//! sees is the cluster's room less its reserve, which is how batch is refused (times out)
+//! before the others under overload.
+//!
 //! The queues are short and bounded, and a request waits at most the timeout: past either it is
 //! refused with 503 and Retry-After, as the global cap itself does. Where the capacity comes from
 //! is the caller's: a closure returning the free slots ([`FairQueue::new`]), and
@@ -26,9 +34,13 @@ use std::{
     time::{Duration, Instant},
 };
 
+use bellows_common::priority::Priority;
 use tokio::sync::oneshot;
 
 use super::config::Tenant;
+
+/// Turns each class gets, relative to the others, while several have requests waiting.
+pub const CLASS_WEIGHTS: [i64; 3] = [16, 4, 1];
 
 #[derive(Debug, Clone, Copy)]
 pub struct FairQueueConfig {
@@ -42,11 +54,19 @@ pub struct FairQueueConfig {
     /// pass in runs and tripled quiet tenants' TTFT). Rounds with no grant are skipped in one
     /// step, so a small quantum costs nothing with large requests.
     pub quantum_tokens: u64,
+    /// Slots of the cluster's room each class (by [`Priority::index`]) leaves to more urgent
+    /// ones: it is granted a turn only while the room exceeds its reserve.
+    pub reserve: [usize; 3],
 }
 
 impl Default for FairQueueConfig {
     fn default() -> Self {
-        FairQueueConfig { max_queued_per_tenant: 64, timeout: Duration::from_secs(10), quantum_tokens: 16 }
+        FairQueueConfig {
+            max_queued_per_tenant: 64,
+            timeout: Duration::from_secs(10),
+            quantum_tokens: 16,
+            reserve: [0; 3],
+        }
     }
 }
 
@@ -91,7 +111,7 @@ pub struct FairQueue {
     /// Turns granted and not yet dropped.
     granted: Arc<AtomicUsize>,
     next_id: AtomicU64,
-    scheduler: Mutex<Scheduler<Waiter>>,
+    scheduler: Mutex<Classes<Waiter>>,
 }
 
 struct Waiter {
@@ -108,7 +128,7 @@ impl FairQueue {
             capacity: Box::new(capacity),
             granted: Arc::default(),
             next_id: AtomicU64::new(0),
-            scheduler: Mutex::new(Scheduler::new(config.quantum_tokens)),
+            scheduler: Mutex::new(Classes::new(config.quantum_tokens)),
         }
     }
 
@@ -116,17 +136,18 @@ impl FairQueue {
         self.config
     }
 
-    /// Wait for a turn to send a request of `cost_tokens` (its prompt, or prompt + max_tokens)
-    /// for `tenant`. At once when the cluster has room and nobody waits; otherwise queued, in
-    /// the tenant's FIFO, until [`on_capacity`](Self::on_capacity) grants it a turn by fair
-    /// share. Refused when the tenant's queue is full or the timeout passes. Dropping the future
-    /// takes the request out of the queue.
-    pub async fn wait_turn(&self, tenant: &Tenant, cost_tokens: u64) -> Result<Turn, QueueRejection> {
+    /// Wait for a turn to send a request of `class` and `cost_tokens` (its prompt, or prompt +
+    /// max_tokens) for `tenant`. At once when the cluster has room for the class and nobody
+    /// waits; otherwise queued, in the tenant's FIFO of its class, until
+    /// [`on_capacity`](Self::on_capacity) grants it a turn by class and fair share. Refused when
+    /// the tenant's queue is full or the timeout passes. Dropping the future takes the request
+    /// out of the queue.
+    pub async fn wait_turn(&self, tenant: &Tenant, class: Priority, cost_tokens: u64) -> Result<Turn, QueueRejection> {
         let free = (self.capacity)();
         let rx = {
             let mut s = self.scheduler.lock().expect("fair queue lock");
             let room = free.saturating_sub(self.granted.load(Ordering::Acquire));
-            if s.is_empty() && room > 0 {
+            if s.is_empty() && room > self.config.reserve[class.index()] {
                 return Ok(self.grant(Duration::ZERO));
             }
             if s.queued(&tenant.name) >= self.config.max_queued_per_tenant {
@@ -134,12 +155,12 @@ impl FairQueue {
             }
             let (tx, rx) = oneshot::channel();
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-            s.push(&tenant.name, tenant.weight, id, cost_tokens, Waiter { tx, since: Instant::now() });
-            // Others wait while there is room: the room is theirs and ours by fair share.
+            s.push(class, &tenant.name, tenant.weight, id, cost_tokens, Waiter { tx, since: Instant::now() });
+            // Others wait while there is room: the room is theirs and ours by class and share.
             if room > 0 {
                 self.dispatch(&mut s, room);
             }
-            Dequeue { queue: self, tenant: &tenant.name, id, rx }
+            Dequeue { queue: self, class, tenant: &tenant.name, id, rx }
         };
         rx.wait(self.config.timeout).await
     }
@@ -167,8 +188,8 @@ impl FairQueue {
         self.scheduler.lock().expect("fair queue lock").len()
     }
 
-    fn dispatch(&self, s: &mut Scheduler<Waiter>, room: usize) {
-        s.dispatch(room, |w| {
+    fn dispatch(&self, s: &mut Classes<Waiter>, room: usize) {
+        s.dispatch(room, &self.config.reserve, |w| {
             let turn = self.grant(w.since.elapsed());
             // A receiver dropped in the same instant: its turn comes back (dropped), no slot used.
             w.tx.send(turn).is_ok()
@@ -188,6 +209,7 @@ impl FairQueue {
 /// A queued request; dropping it (timeout, or the client went away) takes it out of the queue.
 struct Dequeue<'a> {
     queue: &'a FairQueue,
+    class: Priority,
     tenant: &'a str,
     id: u64,
     rx: oneshot::Receiver<Turn>,
@@ -211,13 +233,73 @@ impl Dequeue<'_> {
     }
 
     fn remove(&self) -> bool {
-        self.queue.scheduler.lock().expect("fair queue lock").remove(self.tenant, self.id)
+        self.queue.scheduler.lock().expect("fair queue lock").remove(self.class, self.tenant, self.id)
     }
 }
 
 impl Drop for Dequeue<'_> {
     fn drop(&mut self) {
         self.remove();
+    }
+}
+
+/// One tenant scheduler per class, and the classes' weighted round robin (see the module docs);
+/// pure, so the tests drive it directly.
+struct Classes<T> {
+    classes: [Scheduler<T>; 3],
+    /// Smooth weighted round robin: each pick adds every eligible class's weight to its credit
+    /// and takes the class with the most, which then pays the eligible weights' sum. Kept across
+    /// dispatches (most grant one slot), and bounded: each pick adds and takes the same sum.
+    credit: [i64; 3],
+}
+
+impl<T> Classes<T> {
+    fn new(quantum_tokens: u64) -> Self {
+        Classes { classes: std::array::from_fn(|_| Scheduler::new(quantum_tokens)), credit: [0; 3] }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.classes.iter().all(Scheduler::is_empty)
+    }
+
+    fn len(&self) -> usize {
+        self.classes.iter().map(Scheduler::len).sum()
+    }
+
+    fn queued(&self, tenant: &str) -> usize {
+        self.classes.iter().map(|c| c.queued(tenant)).sum()
+    }
+
+    fn push(&mut self, class: Priority, tenant: &str, weight: f64, id: u64, cost: u64, item: T) {
+        self.classes[class.index()].push(tenant, weight, id, cost, item);
+    }
+
+    fn remove(&mut self, class: Priority, tenant: &str, id: u64) -> bool {
+        self.classes[class.index()].remove(tenant, id)
+    }
+
+    /// Grant up to `room` items: a class is eligible while it has items and the grants so far
+    /// leave more than its reserve.
+    fn dispatch(&mut self, room: usize, reserve: &[usize; 3], mut grant: impl FnMut(T) -> bool) {
+        let mut granted = 0;
+        loop {
+            let eligible: Vec<usize> =
+                (0..3).filter(|&c| !self.classes[c].is_empty() && room > granted + reserve[c]).collect();
+            if eligible.is_empty() {
+                break;
+            }
+            let total: i64 = eligible.iter().map(|&c| CLASS_WEIGHTS[c]).sum();
+            for &c in &eligible {
+                self.credit[c] += CLASS_WEIGHTS[c];
+            }
+            let pick = *eligible.iter().max_by_key(|&&c| (self.credit[c], std::cmp::Reverse(c))).expect("eligible");
+            self.credit[pick] -= total;
+            self.classes[pick].dispatch(1, |item| {
+                let took = grant(item);
+                granted += usize::from(took);
+                took
+            });
+        }
     }
 }
 
@@ -440,6 +522,62 @@ mod tests {
         assert_eq!(grants(&mut s, 4), ["b", "a", "b", "a"]);
     }
 
+    /// Grant `n` slots one at a time over the classes; the items granted, in order.
+    fn class_grants(c: &mut Classes<&'static str>, n: usize, reserve: [usize; 3]) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            c.dispatch(1 + reserve.iter().max().unwrap(), &reserve, |t| {
+                out.push(t);
+                true
+            });
+        }
+        out
+    }
+
+    #[test]
+    fn waiting_interactive_requests_get_sixteen_turns_in_twenty_one_and_batch_still_one() {
+        let mut c = Classes::new(16);
+        for i in 0..200 {
+            c.push(Priority::Batch, "b", 1.0, i, 10, "batch");
+            c.push(Priority::Standard, "s", 1.0, 1000 + i, 10, "standard");
+            c.push(Priority::Interactive, "i", 1.0, 2000 + i, 10, "interactive");
+        }
+        let order = class_grants(&mut c, 210, [0; 3]);
+        let count = |class: &str| order.iter().filter(|t| **t == class).count();
+        assert_eq!((count("interactive"), count("standard"), count("batch")), (160, 40, 10));
+        // Spread, not in runs: batch is served within every 21 turns.
+        let batch_at: Vec<usize> = order.iter().enumerate().filter(|(_, t)| **t == "batch").map(|(i, _)| i).collect();
+        assert!(batch_at.windows(2).all(|w| w[1] - w[0] <= 21), "batch turns at {batch_at:?}");
+    }
+
+    #[test]
+    fn an_interactive_arrival_is_granted_next_ahead_of_a_batch_backlog() {
+        let mut c = Classes::new(16);
+        for i in 0..100 {
+            c.push(Priority::Batch, "flood", 1.0, i, 10, "batch");
+        }
+        assert_eq!(class_grants(&mut c, 5, [0; 3]), ["batch"; 5]);
+        c.push(Priority::Interactive, "quiet", 1.0, 500, 10, "interactive");
+        assert_eq!(class_grants(&mut c, 1, [0; 3]), ["interactive"]);
+    }
+
+    #[test]
+    fn a_class_is_not_granted_the_room_it_must_leave_to_more_urgent_ones() {
+        let mut c = Classes::new(16);
+        c.push(Priority::Batch, "b", 1.0, 1, 10, "batch");
+        let mut got = Vec::new();
+        c.dispatch(2, &[0, 0, 2], |t| {
+            got.push(t);
+            true
+        });
+        assert!(got.is_empty(), "two slots of room, both reserved for the other classes");
+        c.dispatch(3, &[0, 0, 2], |t| {
+            got.push(t);
+            true
+        });
+        assert_eq!(got, ["batch"]);
+    }
+
     #[test]
     fn removing_a_waiter_keeps_the_others_in_order() {
         let mut s = Scheduler::new(100);
@@ -468,7 +606,7 @@ mod tests {
     #[tokio::test]
     async fn a_turn_is_immediate_when_there_is_room_and_nobody_waits() {
         let q = queue(FairQueueConfig::default(), Arc::new(AtomicUsize::new(1)));
-        let turn = q.wait_turn(&tenant("a", 1.0), 10).await.unwrap();
+        let turn = q.wait_turn(&tenant("a", 1.0), Priority::Standard, 10).await.unwrap();
         assert_eq!(turn.waited, Duration::ZERO);
     }
 
@@ -476,10 +614,10 @@ mod tests {
     async fn a_granted_turn_holds_its_slot_until_dropped() {
         let free = Arc::new(AtomicUsize::new(1));
         let q = queue(FairQueueConfig::default(), free.clone());
-        let first = q.wait_turn(&tenant("a", 1.0), 10).await.unwrap();
+        let first = q.wait_turn(&tenant("a", 1.0), Priority::Standard, 10).await.unwrap();
         let second = tokio::spawn({
             let q = q.clone();
-            async move { q.wait_turn(&tenant("b", 1.0), 10).await }
+            async move { q.wait_turn(&tenant("b", 1.0), Priority::Standard, 10).await }
         });
         until_queued(&q, 1).await;
         q.pump();
@@ -497,7 +635,7 @@ mod tests {
         let spawn = |name: &'static str| {
             let (q, order) = (q.clone(), order.clone());
             tokio::spawn(async move {
-                let turn = q.wait_turn(&tenant(name, 1.0), 100).await.unwrap();
+                let turn = q.wait_turn(&tenant(name, 1.0), Priority::Standard, 100).await.unwrap();
                 order.lock().unwrap().push(name);
                 drop(turn);
             })
@@ -529,16 +667,16 @@ mod tests {
         let waiting: Vec<_> = (0..2)
             .map(|_| {
                 let q = q.clone();
-                tokio::spawn(async move { q.wait_turn(&tenant("a", 1.0), 1).await })
+                tokio::spawn(async move { q.wait_turn(&tenant("a", 1.0), Priority::Standard, 1).await })
             })
             .collect();
         until_queued(&q, 2).await;
-        let e = q.wait_turn(&tenant("a", 1.0), 1).await.unwrap_err();
+        let e = q.wait_turn(&tenant("a", 1.0), Priority::Standard, 1).await.unwrap_err();
         assert!(matches!(e, QueueRejection::Full { .. }));
         assert!(e.retry_after() >= Duration::from_secs(1));
         let other = tokio::spawn({
             let q = q.clone();
-            async move { q.wait_turn(&tenant("b", 1.0), 1).await }
+            async move { q.wait_turn(&tenant("b", 1.0), Priority::Standard, 1).await }
         });
         until_queued(&q, 3).await;
         q.on_capacity(3);
@@ -553,7 +691,7 @@ mod tests {
         let config = FairQueueConfig { timeout: Duration::from_millis(50), ..Default::default() };
         let q = queue(config, Arc::new(AtomicUsize::new(0)));
         let started = Instant::now();
-        let e = q.wait_turn(&tenant("a", 1.0), 1).await.unwrap_err();
+        let e = q.wait_turn(&tenant("a", 1.0), Priority::Standard, 1).await.unwrap_err();
         assert!(matches!(e, QueueRejection::Timeout { .. }), "{e:?}");
         assert!(started.elapsed() >= Duration::from_millis(50));
         assert_eq!(q.queued(), 0);
@@ -564,7 +702,7 @@ mod tests {
         let q = queue(FairQueueConfig::default(), Arc::new(AtomicUsize::new(0)));
         let waiting = tokio::spawn({
             let q = q.clone();
-            async move { q.wait_turn(&tenant("a", 1.0), 1).await }
+            async move { q.wait_turn(&tenant("a", 1.0), Priority::Standard, 1).await }
         });
         until_queued(&q, 1).await;
         waiting.abort();
@@ -573,7 +711,7 @@ mod tests {
         // And its slot is not lost: the next request takes it.
         let next = tokio::spawn({
             let q = q.clone();
-            async move { q.wait_turn(&tenant("b", 1.0), 1).await }
+            async move { q.wait_turn(&tenant("b", 1.0), Priority::Standard, 1).await }
         });
         until_queued(&q, 1).await;
         q.on_capacity(1);

@@ -35,6 +35,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use bellows_common::priority::Priority;
+
 use super::{
     bucket::{Bucket, SUSPENDED_RETRY_AFTER},
     config::Tenant,
@@ -71,6 +73,9 @@ pub enum LimitError {
     /// `max_tokens` over the tenant's cap.
     #[error("max_tokens {requested} over the tenant's cap of {allowed}")]
     MaxTokens { requested: u64, allowed: u64 },
+    /// The request named a priority class the tenant may not use.
+    #[error("priority class {class} not allowed for this tenant")]
+    PriorityNotAllowed { class: Priority },
     /// Over a rate or the concurrency cap; may retry after `retry_after`.
     #[error("{} limit reached", limit.as_str())]
     RateLimited { limit: RateLimit, configured: u64, retry_after: Duration },
@@ -82,6 +87,7 @@ impl LimitError {
         match self {
             LimitError::ModelNotAllowed { .. } => "model_not_allowed",
             LimitError::MaxTokens { .. } => "max_tokens",
+            LimitError::PriorityNotAllowed { .. } => "priority_not_allowed",
             LimitError::RateLimited { limit, .. } => limit.as_str(),
         }
     }

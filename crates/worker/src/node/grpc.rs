@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bellows_common::{constraint::Constraint, telemetry};
+use bellows_common::{constraint::Constraint, priority::Priority, telemetry};
 use bellows_proto::worker::v1::{self as pb, generate_response::Kind, worker_server::Worker};
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -216,6 +216,7 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
     if r.stop.iter().any(String::is_empty) {
         return Err(NodeError::Malformed("invalid stop: stop strings must not be empty".into()));
     }
+    let priority = priority(r.priority());
     let d = SamplingParams::default();
     let s = r.sampling.unwrap_or_default();
     let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.into_iter().collect();
@@ -244,7 +245,16 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
         cache_salt: r.cache_salt,
         progress: true,
         resumed_tokens: r.resumed_tokens as usize,
+        priority,
     })
+}
+
+fn priority(p: pb::Priority) -> Priority {
+    match p {
+        pb::Priority::Standard => Priority::Standard,
+        pb::Priority::Interactive => Priority::Interactive,
+        pb::Priority::Batch => Priority::Batch,
+    }
 }
 
 fn constraint(kind: pb::constraint::Kind) -> Result<Constraint, NodeError> {
