@@ -10,6 +10,28 @@ pub mod worker {
     }
 }
 
+use bellows_common::priority::Priority;
+
+impl From<Priority> for worker::v1::Priority {
+    fn from(p: Priority) -> Self {
+        match p {
+            Priority::Interactive => Self::Interactive,
+            Priority::Standard => Self::Standard,
+            Priority::Batch => Self::Batch,
+        }
+    }
+}
+
+impl From<worker::v1::Priority> for Priority {
+    fn from(p: worker::v1::Priority) -> Self {
+        match p {
+            worker::v1::Priority::Interactive => Priority::Interactive,
+            worker::v1::Priority::Standard => Priority::Standard,
+            worker::v1::Priority::Batch => Priority::Batch,
+        }
+    }
+}
+
 /// The newest router <-> worker protocol this build speaks, advertised in
 /// `ModelInfoResponse.protocol_version`: 1 = Generate only; 2 = Session (one multiplexed stream
 /// per router) as well.

@@ -338,7 +338,7 @@ impl Dispatcher {
             // Sent again on a migration: the new worker replays the resumed tokens through it.
             constraint: params.structured.as_ref().map(|s| constraint_frame(&s.constraint)),
             top_logprobs: params.top_logprobs,
-            priority: priority_frame(choice.priority) as i32,
+            priority: pb::Priority::from(choice.priority) as i32,
         }
     }
 
@@ -377,14 +377,6 @@ impl Dispatcher {
             generated = progress.generated.len(),
             "worker attempt failed: {error}"
         );
-    }
-}
-
-fn priority_frame(p: Priority) -> pb::Priority {
-    match p {
-        Priority::Interactive => pb::Priority::Interactive,
-        Priority::Standard => pb::Priority::Standard,
-        Priority::Batch => pb::Priority::Batch,
     }
 }
 

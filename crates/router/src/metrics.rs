@@ -35,6 +35,12 @@ pub struct ModelLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PriorityLabels {
+    pub model: String,
+    pub priority: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerLabels {
     pub worker: String,
 }
@@ -108,6 +114,9 @@ pub struct QueueGauges {
     pub max_running_requests: Family<ModelLabels, Gauge>,
     pub prefill_tokens_per_second: Family<ModelLabels, Gauge<f64, AtomicU64>>,
     pub placeable_workers: Family<ModelLabels, Gauge>,
+    /// As the workers last reported them, by class (without this router's unreported requests).
+    pub waiting_requests_by_priority: Family<PriorityLabels, Gauge>,
+    pub waiting_tokens_by_priority: Family<PriorityLabels, Gauge>,
 }
 
 impl QueueGauges {
@@ -134,6 +143,16 @@ impl QueueGauges {
         for (name, help, family) in families {
             r.register(format!("cluster_{name}"), help, family.clone());
         }
+        r.register(
+            "cluster_waiting_requests_by_priority",
+            "Requests waiting at the model's placeable workers, by priority class, as the workers last reported them",
+            self.waiting_requests_by_priority.clone(),
+        );
+        r.register(
+            "cluster_waiting_tokens_by_priority",
+            "Prompt tokens still to prefill of those requests, by priority class, as the workers last reported them",
+            self.waiting_tokens_by_priority.clone(),
+        );
         r.register(
             "cluster_prefill_tokens_per_second",
             "Recent prefill rate of the model's placeable workers, summed: how fast the waiting tokens drain",

@@ -753,8 +753,17 @@ impl Scheduler {
     fn publish_gauges(&self) {
         let st = &self.stats;
         st.running_requests.store(self.running.len() as u64, Relaxed);
-        st.waiting_prompt_tokens
-            .store(self.waiting.iter().map(|s| s.pending().saturating_sub(s.expected_cached) as u64).sum(), Relaxed);
+        let mut by_class = [(0u64, 0u64); 3];
+        for s in &self.waiting {
+            let c = &mut by_class[s.priority.index()];
+            c.0 += 1;
+            c.1 += s.pending().saturating_sub(s.expected_cached) as u64;
+        }
+        st.waiting_prompt_tokens.store(by_class.iter().map(|c| c.1).sum(), Relaxed);
+        for (gauge, (n, tokens)) in st.waiting_by_priority.iter().zip(by_class) {
+            gauge.0.store(n, Relaxed);
+            gauge.1.store(tokens, Relaxed);
+        }
         st.kv_blocks_used.store(self.pool.used() as u64, Relaxed);
     }
 }

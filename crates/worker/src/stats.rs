@@ -29,6 +29,9 @@ pub struct Stats {
     /// Tokens still to prefill of everything waiting, preempted sequences included, less what the
     /// prefix cache held of each prompt when it was queued.
     pub waiting_prompt_tokens: AtomicU64,
+    /// By priority class ([`bellows_common::priority::Priority::index`]): requests waiting, preempted ones included, and
+    /// their tokens still to prefill (as `waiting_prompt_tokens`).
+    pub waiting_by_priority: [(AtomicU64, AtomicU64); 3],
     pub running_requests: AtomicU64,
     pub kv_blocks_used: AtomicU64,
     pub kv_blocks_total: AtomicU64,
@@ -161,6 +164,8 @@ impl StepHistograms {
 pub struct StatsSnapshot {
     pub waiting_requests: u64,
     pub waiting_prompt_tokens: u64,
+    /// Requests and tokens waiting, by [`bellows_common::priority::Priority::index`].
+    pub waiting_by_priority: [(u64, u64); 3],
     pub running_requests: u64,
     pub kv_blocks_used: u64,
     pub kv_blocks_total: u64,
@@ -238,6 +243,7 @@ impl Stats {
         StatsSnapshot {
             waiting_requests: self.waiting_requests.load(Relaxed),
             waiting_prompt_tokens: self.waiting_prompt_tokens.load(Relaxed),
+            waiting_by_priority: self.waiting_by_priority.each_ref().map(|(n, t)| (n.load(Relaxed), t.load(Relaxed))),
             running_requests: self.running_requests.load(Relaxed),
             kv_blocks_used: self.kv_blocks_used.load(Relaxed),
             kv_blocks_total: self.kv_blocks_total.load(Relaxed),

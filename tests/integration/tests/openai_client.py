@@ -68,6 +68,21 @@ try:
 except openai.BadRequestError as e:
     assert e.body["param"] == "temperature", e.body
 
+# Priority classes by the client's own service_tier parameter (docs/priority.md).
+flex = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4, temperature=0, service_tier="flex"
+)
+assert flex.choices[0].message.content is not None
+assert flex.service_tier == "flex", flex.service_tier
+assert chat.service_tier == "default", chat.service_tier
+try:
+    client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4, service_tier="scale"
+    )
+    sys.exit("an unknown service_tier must raise")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "service_tier", e.body
+
 
 class City(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=40)

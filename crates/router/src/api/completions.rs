@@ -182,6 +182,7 @@ async fn complete(
         id,
         model: pool.name.clone(),
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        priority: class,
         n: job.n,
         choices: tokenized.len() * job.n as usize,
         logprobs: job.params.top_logprobs.is_some(),
@@ -510,6 +511,8 @@ struct Reply {
     id: String,
     model: String,
     created: u64,
+    /// The class it ran in, echoed as OpenAI's `service_tier`.
+    priority: Priority,
     n: u32,
     choices: usize,
     /// The client asked for logprobs.
@@ -609,7 +612,13 @@ impl Reply {
             (Endpoint::ChatCompletions, false) => "chat.completion",
             (Endpoint::Completions, _) => "text_completion",
         };
-        Header { id: &self.id, object, created: self.created, model: &self.model }
+        Header {
+            id: &self.id,
+            object,
+            created: self.created,
+            model: &self.model,
+            service_tier: self.priority.service_tier(),
+        }
     }
 
     async fn whole(mut self, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {

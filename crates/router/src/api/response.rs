@@ -47,6 +47,8 @@ pub struct Header<'a> {
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
+    /// The request's class as OpenAI names it (docs/priority.md).
+    pub service_tier: &'static str,
 }
 
 #[derive(Serialize)]
@@ -248,7 +250,13 @@ mod tests {
 
     #[test]
     fn chat_chunks_have_openais_shape() {
-        let h = Header { id: "chatcmpl-1", object: "chat.completion.chunk", created: 7, model: "m" };
+        let h = Header {
+            id: "chatcmpl-1",
+            object: "chat.completion.chunk",
+            created: 7,
+            model: "m",
+            service_tier: "default",
+        };
         let v: serde_json::Value =
             serde_json::from_str(&chunk(Endpoint::ChatCompletions, &h, 0, true, Some(""), None, None)).unwrap();
         assert_eq!(v["choices"][0]["delta"]["role"], "assistant");

@@ -31,7 +31,7 @@ use std::{
     time::Duration,
 };
 
-use bellows_common::telemetry;
+use bellows_common::{priority::Priority, telemetry};
 use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
 use tokio::{sync::mpsc, task::JoinHandle};
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -238,6 +238,22 @@ impl WorkerLink {
             max_running: s.report.max_running,
             prefill_tokens_per_s: s.report.prefill_tokens_per_s,
         })
+    }
+
+    /// What its worker last reported waiting in each class (requests, tokens), by
+    /// [`Priority::index`]; `None` while not placeable. Reports only: the requests this router
+    /// sent since are in [`WorkerLink::load`], not here.
+    pub fn waiting_by_priority(&self) -> Option<[(u64, u64); 3]> {
+        let s = self.state.lock().expect("link state lock");
+        if !s.placeable {
+            return None;
+        }
+        let mut by_class = [(0, 0); 3];
+        for c in &s.report.waiting_by_priority {
+            let class = Priority::from(c.priority());
+            by_class[class.index()] = (u64::from(c.waiting_requests), c.waiting_prompt_tokens);
+        }
+        Some(by_class)
     }
 
     pub fn context_length(&self) -> u32 {

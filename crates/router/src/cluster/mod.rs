@@ -23,9 +23,10 @@ use std::{
     },
 };
 
+use bellows_common::priority::Priority;
 use bellows_proto::worker::v1 as pb;
 
-use crate::metrics::{ChangeLabels, Metrics, ModelLabels, WorkerLabels};
+use crate::metrics::{ChangeLabels, Metrics, ModelLabels, PriorityLabels, WorkerLabels};
 
 pub use call::{Reply, WorkerCall, WorkerError};
 pub use link::{Dispatched, Load, WorkerLink};
@@ -187,6 +188,8 @@ impl Cluster {
             family.clear();
         }
         q.placeable_workers.clear();
+        q.waiting_requests_by_priority.clear();
+        q.waiting_tokens_by_priority.clear();
         q.prefill_tokens_per_second.clear();
         for pool in models {
             let labels = ModelLabels { model: pool.name.clone() };
@@ -198,6 +201,20 @@ impl Cluster {
             q.max_running_requests.get_or_create(&labels).set(sum(|l| u64::from(l.max_running)));
             q.placeable_workers.get_or_create(&labels).set(loads.len() as i64);
             q.prefill_tokens_per_second.get_or_create(&labels).set(loads.iter().map(|l| l.prefill_tokens_per_s).sum());
+            let mut by_class = [(0u64, 0u64); 3];
+            pool.with_workers(|w| {
+                for reported in w.iter().filter_map(|l| l.waiting_by_priority()) {
+                    for (sum, (n, tokens)) in by_class.iter_mut().zip(reported) {
+                        sum.0 += n;
+                        sum.1 += tokens;
+                    }
+                }
+            });
+            for (class, (n, tokens)) in Priority::ALL.into_iter().zip(by_class) {
+                let labels = PriorityLabels { model: pool.name.clone(), priority: class.as_str() };
+                q.waiting_requests_by_priority.get_or_create(&labels).set(n as i64);
+                q.waiting_tokens_by_priority.get_or_create(&labels).set(tokens as i64);
+            }
         }
     }
 

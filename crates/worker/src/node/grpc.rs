@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bellows_common::{constraint::Constraint, priority::Priority, telemetry};
+use bellows_common::{constraint::Constraint, telemetry};
 use bellows_proto::worker::v1::{self as pb, generate_response::Kind, worker_server::Worker};
 use tokio::sync::watch;
 use tokio_stream::Stream;
@@ -216,7 +216,7 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
     if r.stop.iter().any(String::is_empty) {
         return Err(NodeError::Malformed("invalid stop: stop strings must not be empty".into()));
     }
-    let priority = priority(r.priority());
+    let priority = r.priority().into();
     let d = SamplingParams::default();
     let s = r.sampling.unwrap_or_default();
     let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.into_iter().collect();
@@ -247,14 +247,6 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
         resumed_tokens: r.resumed_tokens as usize,
         priority,
     })
-}
-
-fn priority(p: pb::Priority) -> Priority {
-    match p {
-        pb::Priority::Standard => Priority::Standard,
-        pb::Priority::Interactive => Priority::Interactive,
-        pb::Priority::Batch => Priority::Batch,
-    }
 }
 
 fn constraint(kind: pb::constraint::Kind) -> Result<Constraint, NodeError> {

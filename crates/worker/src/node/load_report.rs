@@ -16,6 +16,7 @@
 
 use std::{pin::Pin, sync::Arc, time::Duration};
 
+use bellows_common::priority::Priority;
 use bellows_proto::worker::v1 as pb;
 use tokio::{
     sync::{mpsc, watch},
@@ -63,6 +64,16 @@ pub fn report(s: &StatsSnapshot, caps: Caps, draining: bool) -> pb::LoadReport {
         max_running: caps.max_running,
         draining,
         sequence: 0,
+        waiting_by_priority: Priority::ALL
+            .into_iter()
+            .zip(s.waiting_by_priority)
+            .filter(|(_, (n, _))| *n > 0)
+            .map(|(p, (n, tokens))| pb::ClassQueue {
+                priority: pb::Priority::from(p) as i32,
+                waiting_requests: n as u32,
+                waiting_prompt_tokens: tokens,
+            })
+            .collect(),
     }
 }
 
@@ -116,7 +127,7 @@ pub async fn subscribe(
         let mut pending: Vec<pb::KvEvent> = Vec::new();
         loop {
             let mut msg = pb::WatchLoadResponse {
-                load: Some(*load.borrow_and_update()),
+                load: Some(load.borrow_and_update().clone()),
                 kv_snapshot: snapshot.take(),
                 kv_events: std::mem::take(&mut pending),
             };
