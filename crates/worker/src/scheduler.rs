@@ -10,8 +10,8 @@
 //!    [`batch_reserve`] running slots free, so an arrival of a higher class finds a slot even when
 //!    batch work fills the worker;
 //! 3. gives every decoding sequence one token, growing its blocks; when the pool is empty the
-//!    *newest* running sequence is preempted (blocks freed, re-prefilled later), never an
-//!    out-of-memory and never the oldest, which is closest to done;
+//!    *newest* running sequence of the lowest class is preempted (blocks freed, re-prefilled
+//!    later), never an out-of-memory and never the oldest, which is closest to done;
 //! 4. fills the rest of `max_batch_tokens` with prefill chunks, starting at a different
 //!    prefilling sequence each tick, so a long prompt can neither starve a short one nor hold
 //!    running streams for more than one chunk. With `itl_slowdown` set, the prefill share of a
@@ -543,7 +543,8 @@ impl Scheduler {
         prefix_block_hashes(&s.tokens[..matchable * bs], bs, s.root)
     }
 
-    /// Give each decoding sequence room for its next token, preempting the newest when full.
+    /// Give each decoding sequence room for its next token, preempting when full: the newest
+    /// of the lowest class running.
     fn grow_decoders(&mut self) {
         let bs = self.cfg.block_size;
         let mut i = 0;
@@ -553,8 +554,15 @@ impl Scheduler {
                 match self.pool.allocate() {
                     Some(b) => self.running[i].blocks.push(b),
                     None => {
-                        self.preempt_newest();
-                        continue; // retry i (if i itself was preempted, the loop ends)
+                        let victim = self.lowest_newest();
+                        let s = self.running.remove(victim);
+                        self.preempt(s, "KV pool full");
+                        // Retry the sequence that needed the block, wherever it is now (if it
+                        // was the one preempted, go on with the next).
+                        if victim < i {
+                            i -= 1;
+                        }
+                        continue;
                     }
                 }
             }
@@ -562,9 +570,10 @@ impl Scheduler {
         }
     }
 
-    fn preempt_newest(&mut self) {
-        let s = self.running.pop().expect("a running sequence to preempt");
-        self.preempt(s, "KV pool full");
+    /// The running sequence the pool takes blocks back from: of the lowest class, the newest
+    /// admission (the furthest from done).
+    fn lowest_newest(&self) -> usize {
+        (0..self.running.len()).max_by_key(|&i| (self.running[i].priority, i)).expect("a running sequence to preempt")
     }
 
     /// Free a running sequence's blocks and put it back to wait; it starts over when admitted.

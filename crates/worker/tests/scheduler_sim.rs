@@ -455,3 +455,21 @@ fn a_lower_class_request_already_streaming_is_never_preempted() {
     assert!(batch.first_token_at < urgent.first_token_at, "the interactive request waited for the slot");
     assert_eq!(h.stats().preemptions, 0);
 }
+
+#[test]
+fn when_the_pool_runs_out_the_lowest_class_gives_back_its_blocks_first() {
+    // 4 blocks of 16 tokens; each request grows to 3 blocks: both cannot finish together.
+    let sim = SimConfig { kv_bytes_per_token: 16 << 10, ..fast() };
+    let e = sim_engine(sim, EngineConfig { kv_cache_mb: 1, ..Default::default() });
+    let h = e.handle();
+    let mut batch = h.submit(classed(vec![3; 8], 40, Priority::Batch)).unwrap();
+    while !matches!(batch.blocking_recv(), Some(Event::Token { .. })) {}
+    // Newer than the batch stream: a class-blind pool would take its blocks back first.
+    let urgent = h.submit(classed(vec![4; 8], 40, Priority::Interactive)).unwrap();
+    let ended = |rx| std::thread::spawn(move || (collect(rx), Instant::now()));
+    let (batch, urgent) = (ended(batch), ended(urgent));
+    let ((batch, batch_end), (urgent, urgent_end)) = (batch.join().unwrap(), urgent.join().unwrap());
+    assert_eq!((batch.tokens.len(), urgent.tokens.len()), (39, 40));
+    assert!(h.stats().preemptions > 0, "the pool is too small for both");
+    assert!(urgent_end < batch_end, "the interactive stream was preempted for the batch one");
+}

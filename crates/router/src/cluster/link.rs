@@ -51,7 +51,7 @@ pub const RETIRE_LIMIT: Duration = Duration::from_secs(120);
 /// How often a retiring link looks whether its requests are done.
 const RETIRE_POLL: Duration = Duration::from_millis(50);
 /// How long a session may outlive its worker's load stream that ended (see the module doc).
-const SESSION_GRACE: Duration = Duration::from_secs(1);
+pub const SESSION_GRACE: Duration = Duration::from_secs(1);
 /// How long a dead worker's reconnect attempts wait, at most.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// HTTP/2 flow-control windows: a session carries every request's answers on one stream, so
