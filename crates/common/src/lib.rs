@@ -9,3 +9,4 @@ pub mod prefix_hash;
 pub mod priority;
 pub mod sampling_limits;
 pub mod telemetry;
+pub mod tls;

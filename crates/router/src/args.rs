@@ -3,7 +3,11 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use bellows_common::{duration::parse_duration, telemetry::LogFormat};
+use bellows_common::{
+    duration::parse_duration,
+    telemetry::LogFormat,
+    tls::{EtcdAuthArgs, TlsArgs},
+};
 use clap::Parser;
 
 use crate::placement::PolicyKind;
@@ -64,6 +68,11 @@ pub struct RouterArgs {
     /// equal share, and past it its least recently used blocks are forgotten first).
     #[arg(long, env = "BELLOWS_PREFIX_INDEX_ENTRIES", default_value_t = 1_500_000)]
     pub prefix_index_entries: usize,
+    #[command(flatten)]
+    pub etcd_auth: EtcdAuthArgs,
+    /// Mutual TLS with the workers (docs/security.md).
+    #[command(flatten)]
+    pub tls: TlsArgs,
     /// Log format: text or json.
     #[arg(long, env = "BELLOWS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

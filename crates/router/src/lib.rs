@@ -44,7 +44,11 @@ const FAIR_QUEUE_TICK: std::time::Duration = std::time::Duration::from_millis(10
 pub fn start(args: &RouterArgs, port: u16) -> anyhow::Result<Arc<AppState>> {
     let usage = Arc::new(Usage::new());
     let metrics = Metrics::new(&usage);
-    let cluster = Cluster::new(metrics.clone(), args.prefix_index_entries);
+    let tls = args.tls.load()?;
+    if tls.is_none() {
+        tracing::warn!("links to workers are plaintext gRPC (set --tls-ca, --tls-cert, --tls-key for mutual TLS)");
+    }
+    let cluster = Cluster::new(metrics.clone(), args.prefix_index_entries, tls);
     cluster::discovery::join_static(&cluster, &args.static_workers());
 
     let admin = args.admin_key_file.as_deref().map(AdminKey::from_file).transpose()?;
@@ -55,7 +59,7 @@ pub fn start(args: &RouterArgs, port: u16) -> anyhow::Result<Arc<AppState>> {
     let tenants = Arc::new(tenants.with_admin_key(admin));
     tenants.spawn_reloader(RELOAD_INTERVAL);
 
-    follow_etcd(args, port, &cluster, &tenants);
+    follow_etcd(args, port, &cluster, &tenants)?;
 
     let admission = Admission::new(args.max_waiting as u64);
     let fair_queue = fair_queue(args, &tenants, &cluster, &admission);
@@ -85,17 +89,22 @@ pub fn start(args: &RouterArgs, port: u16) -> anyhow::Result<Arc<AppState>> {
 
 /// With etcd: follow the workers registered there, and take this router's share of every
 /// tenant's limits from the number of live routers.
-fn follow_etcd(args: &RouterArgs, port: u16, cluster: &Arc<Cluster>, tenants: &Arc<Tenants>) {
+fn follow_etcd(args: &RouterArgs, port: u16, cluster: &Arc<Cluster>, tenants: &Arc<Tenants>) -> anyhow::Result<()> {
     let etcd = args.etcd_endpoints();
     if etcd.is_empty() {
-        return;
+        return Ok(());
     }
-    tokio::spawn(cluster::discovery::follow_etcd(cluster.clone(), etcd.clone(), args.cluster.clone()));
+    let options = args.etcd_auth.connect_options()?;
+    if !args.etcd_auth.encrypted() {
+        tracing::warn!("the link to etcd is plaintext (set --etcd-ca, and --etcd-cert/--etcd-key for client auth)");
+    }
+    tokio::spawn(cluster::discovery::follow_etcd(cluster.clone(), etcd.clone(), options.clone(), args.cluster.clone()));
     let id = args.router_id.clone().unwrap_or_else(|| format!("{}-{port}", cluster::peers::hostname()));
     let limits = tenants.clone();
-    tokio::spawn(cluster::peers::share_with_peers(etcd, args.cluster.clone(), id, move |routers| {
+    tokio::spawn(cluster::peers::share_with_peers(etcd, options, args.cluster.clone(), id, move |routers| {
         limits.limits().set_share(1.0 / routers.max(1) as f64)
     }));
+    Ok(())
 }
 
 /// The fair-share queue (with tenants and a queue timeout), pumped on its own tick.

@@ -90,6 +90,8 @@ pub struct Metrics {
     pub worker_waiting: Family<WorkerLabels, Gauge>,
     pub worker_running: Family<WorkerLabels, Gauge>,
     pub membership_changes: Family<ChangeLabels, Counter>,
+    /// Connection attempts to a worker that failed TLS (its certificate or ours refused).
+    pub worker_tls_failures: Counter,
     /// Worker answers received on sessions and not yet taken by their requests: what slow
     /// readers hold in this router.
     pub session_buffered: Gauge,
@@ -203,6 +205,7 @@ impl Metrics {
             worker_waiting: Family::default(),
             worker_running: Family::default(),
             membership_changes: Family::default(),
+            worker_tls_failures: Counter::default(),
             session_buffered: Gauge::default(),
             prefix_index_entries: Gauge::default(),
             prefix_index_trimmed: Counter::default(),
@@ -258,6 +261,11 @@ impl Metrics {
             m.worker_running.clone(),
         );
         r.register("membership_changes", "Workers joining and leaving", m.membership_changes.clone());
+        r.register(
+            "worker_tls_failures",
+            "Connection attempts to workers that failed TLS verification (such a worker gets no request)",
+            m.worker_tls_failures.clone(),
+        );
         r.register(
             "prefix_index_entries",
             "Cached blocks this router believes each worker holds, summed over workers and models",

@@ -5,6 +5,7 @@
 //! The binaries are found next to the test executable's directory (`target/<profile>/`), or in
 //! `BELLOWS_BIN_DIR`; `scripts/test.sh` builds them before the tests run.
 
+pub mod pki;
 pub mod schemas;
 
 use std::{
@@ -16,7 +17,7 @@ use std::{
 
 use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
 use tempfile::TempDir;
-use tonic::transport::Channel;
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
 /// Processes that find their port taken (see `Process::lost_its_port`) are started this many
@@ -69,14 +70,64 @@ pub struct Etcd {
     client_port: u16,
     peer_port: u16,
     child: Option<Child>,
+    tls: Option<EtcdTls>,
+}
+
+/// An etcd that serves TLS and requires client certificates.
+pub struct EtcdTls {
+    pub ca: PathBuf,
+    server: pki::Issued,
+    /// The certificate the test's own calls present (and processes may be given).
+    pub client: pki::Issued,
+}
+
+impl EtcdTls {
+    /// Flags for a router or worker: etcd's CA and a client certificate.
+    pub fn flags(&self) -> Vec<String> {
+        let path = |p: &PathBuf| p.to_string_lossy().into_owned();
+        vec![
+            "--etcd-ca".into(),
+            path(&self.ca),
+            "--etcd-cert".into(),
+            path(&self.client.cert),
+            "--etcd-key".into(),
+            path(&self.client.key),
+        ]
+    }
+
+    fn options(&self) -> etcd_client::ConnectOptions {
+        let read = |p: &PathBuf| std::fs::read(p).unwrap();
+        let tls = etcd_client::TlsOptions::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(read(&self.ca)))
+            .identity(tonic::transport::Identity::from_pem(read(&self.client.cert), read(&self.client.key)));
+        etcd_client::ConnectOptions::new().with_tls(tls)
+    }
 }
 
 impl Etcd {
     /// Start a member on fresh ports; one that lost a port to another test (see
     /// `Process::lost_its_port`) is started again on others.
     pub async fn start() -> Etcd {
+        Etcd::start_with(None).await
+    }
+
+    /// A member serving TLS with a certificate from `pki`, refusing clients without one.
+    pub async fn start_tls(pki: &pki::Pki) -> Etcd {
+        let tls = EtcdTls {
+            ca: pki.ca_path(),
+            server: pki.issue("etcd-server", &["127.0.0.1", "localhost"]),
+            client: pki.issue("etcd-client", &["etcd-client"]),
+        };
+        Etcd::start_with(Some(tls)).await
+    }
+
+    pub fn tls(&self) -> Option<&EtcdTls> {
+        self.tls.as_ref()
+    }
+
+    async fn start_with(tls: Option<EtcdTls>) -> Etcd {
         let mut e =
-            Etcd { dir: TempDir::new().unwrap(), client_port: free_port(), peer_port: free_port(), child: None };
+            Etcd { dir: TempDir::new().unwrap(), client_port: free_port(), peer_port: free_port(), child: None, tls };
         for _ in 1..START_ATTEMPTS {
             if e.spawn().await {
                 return e;
@@ -93,14 +144,24 @@ impl Etcd {
     }
 
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    fn options(&self) -> Option<etcd_client::ConnectOptions> {
+        self.tls.as_ref().map(EtcdTls::options)
     }
 
     /// Spawn etcd and wait until it serves; false if it exited because a port was taken.
     async fn spawn(&mut self) -> bool {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = File::options().create(true).append(true).open(self.dir.path().join("etcd.log")).unwrap();
-        let child = Command::new("etcd")
+        let mut command = Command::new("etcd");
+        if let Some(tls) = &self.tls {
+            command.arg("--cert-file").arg(&tls.server.cert).arg("--key-file").arg(&tls.server.key);
+            command.arg("--client-cert-auth").arg("--trusted-ca-file").arg(&tls.ca);
+        }
+        let child = command
             .args(["--name", "test", "--data-dir"])
             .arg(self.dir.path().join("data"))
             .args(["--listen-client-urls", &self.endpoint(), "--advertise-client-urls", &self.endpoint()])
@@ -119,7 +180,7 @@ impl Etcd {
                 assert!(log.contains("address already in use"), "etcd exited:\n{log}");
                 return false;
             }
-            if let Ok(mut c) = etcd_client::Client::connect([endpoint.as_str()], None).await
+            if let Ok(mut c) = etcd_client::Client::connect([endpoint.as_str()], self.options()).await
                 && let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), c.get("probe", None)).await
             {
                 return true;
@@ -130,7 +191,7 @@ impl Etcd {
     }
 
     pub async fn client(&self) -> etcd_client::Client {
-        etcd_client::Client::connect([self.endpoint()], None).await.unwrap()
+        etcd_client::Client::connect([self.endpoint()], self.options()).await.unwrap()
     }
 
     /// SIGKILL, as a crash would.
@@ -241,8 +302,8 @@ pub fn sim(config: &str) -> Vec<String> {
     vec!["--engine".into(), "sim".into(), "--sim-config".into(), config.into()]
 }
 
-/// A `bellows-worker serve` process.
-pub struct Worker(pub Process);
+/// A `bellows-worker serve` process, and how to reach it (TLS settings when it serves TLS).
+pub struct Worker(pub Process, Option<ClientTlsConfig>);
 
 impl std::ops::Deref for Worker {
     type Target = Process;
@@ -260,7 +321,7 @@ impl std::ops::DerefMut for Worker {
 impl Worker {
     /// Start a worker from `bin` on a free loopback port, and wait until it is SERVING.
     pub async fn start_bin<S: AsRef<str>>(bin: PathBuf, args: &[S]) -> Worker {
-        Worker::start_with(bin, args, &[]).await
+        Worker::start_with(bin, args, &[], None).await
     }
 
     /// Start a worker (the workspace's `bellows-worker`) and wait until it is SERVING.
@@ -274,12 +335,18 @@ impl Worker {
 
     /// Start a worker with extra environment variables, and wait until it is SERVING.
     pub async fn start_env<S: AsRef<str>>(args: &[S], env: &[(&str, &str)]) -> Worker {
-        Worker::start_with(binary("bellows-worker"), args, env).await
+        Worker::start_with(binary("bellows-worker"), args, env, None).await
     }
 
-    async fn start_with<S: AsRef<str>>(bin: PathBuf, args: &[S], env: &[(&str, &str)]) -> Worker {
+    async fn start_with<S: AsRef<str>>(
+        bin: PathBuf,
+        args: &[S],
+        env: &[(&str, &str)],
+        tls: Option<ClientTlsConfig>,
+    ) -> Worker {
         for attempt in 1..=START_ATTEMPTS {
             let mut w = Worker::spawn_env(bin.clone(), args, env);
+            w.1 = tls.clone();
             if w.serving_or_lost_port().await {
                 return w;
             }
@@ -292,7 +359,22 @@ impl Worker {
         let addr = format!("127.0.0.1:{}", free_port());
         let mut all = vec!["serve".to_string(), "--listen".into(), addr.clone()];
         all.extend(args.iter().map(|a| a.as_ref().to_string()));
-        Worker(Process::spawn("worker", bin, all, addr, env))
+        Worker(Process::spawn("worker", bin, all, addr, env), None)
+    }
+
+    /// Start a worker that serves TLS; the test's own calls to it (health, load) use `tls`.
+    pub async fn start_tls<S: AsRef<str>>(args: &[S], tls: ClientTlsConfig) -> Worker {
+        Worker::start_with(binary("bellows-worker"), args, &[], Some(tls)).await
+    }
+
+    /// A channel to the worker, over TLS when it serves TLS.
+    async fn channel(&self) -> Result<Channel, tonic::transport::Error> {
+        match &self.1 {
+            None => Endpoint::from_shared(format!("http://{}", self.addr))?.connect().await,
+            Some(tls) => {
+                Endpoint::from_shared(format!("https://{}", self.addr))?.tls_config(tls.clone())?.connect().await
+            }
+        }
     }
 
     /// Wait until the worker is SERVING; fail at once if it exits.
@@ -317,13 +399,13 @@ impl Worker {
 
     /// The whole server's health ("" service); `None` if the worker does not answer.
     pub async fn health(&self) -> Option<ServingStatus> {
-        let channel = Channel::from_shared(format!("http://{}", self.addr)).unwrap().connect().await.ok()?;
+        let channel = self.channel().await.ok()?;
         let r = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await.ok()?;
         ServingStatus::try_from(r.into_inner().status).ok()
     }
 
     pub async fn client(&self) -> WorkerClient<Channel> {
-        WorkerClient::connect(format!("http://{}", self.addr)).await.expect("connects to the worker")
+        WorkerClient::new(self.channel().await.expect("connects to the worker"))
     }
 
     /// The worker's current load, from the first message of a WatchLoad stream.

@@ -8,13 +8,13 @@
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use bellows_common::cluster::{WorkerRecord, node_id_of, workers_prefix};
-use etcd_client::{Client, EventType, GetOptions, WatchOptions};
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
 
 use super::Cluster;
 
 /// Node ids of statically configured workers start with this, so an etcd re-list never
 /// removes them.
-const STATIC_PREFIX: &str = "static:";
+pub(super) const STATIC_PREFIX: &str = "static:";
 
 /// Join the `--workers` list.
 pub fn join_static(cluster: &Arc<Cluster>, addresses: &[String]) {
@@ -24,7 +24,7 @@ pub fn join_static(cluster: &Arc<Cluster>, addresses: &[String]) {
 }
 
 /// Follow the workers registered in etcd, forever.
-pub async fn follow_etcd(cluster: Arc<Cluster>, endpoints: Vec<String>, cluster_name: String) {
+pub async fn follow_etcd(cluster: Arc<Cluster>, endpoints: Vec<String>, options: ConnectOptions, cluster_name: String) {
     let prefix = match workers_prefix(&cluster_name) {
         Ok(p) => p,
         Err(e) => {
@@ -34,7 +34,7 @@ pub async fn follow_etcd(cluster: Arc<Cluster>, endpoints: Vec<String>, cluster_
     };
     let mut backoff = Duration::from_millis(100);
     loop {
-        match watch_once(&cluster, &endpoints, &cluster_name, &prefix).await {
+        match watch_once(&cluster, &endpoints, &options, &cluster_name, &prefix).await {
             Ok(()) => backoff = Duration::from_millis(100),
             Err(e) => {
                 tracing::warn!("etcd watch interrupted (serving on the last known workers): {e:#}");
@@ -45,8 +45,14 @@ pub async fn follow_etcd(cluster: Arc<Cluster>, endpoints: Vec<String>, cluster_
     }
 }
 
-async fn watch_once(cluster: &Arc<Cluster>, endpoints: &[String], name: &str, prefix: &str) -> anyhow::Result<()> {
-    let mut client = Client::connect(endpoints, None).await?;
+async fn watch_once(
+    cluster: &Arc<Cluster>,
+    endpoints: &[String],
+    options: &ConnectOptions,
+    name: &str,
+    prefix: &str,
+) -> anyhow::Result<()> {
+    let mut client = Client::connect(endpoints, Some(options.clone())).await?;
     let listed = client.get(prefix, Some(GetOptions::new().with_prefix())).await?;
     let revision = listed.header().map(|h| h.revision()).unwrap_or(0);
     let mut members = HashMap::new();

@@ -35,7 +35,7 @@ use bellows_common::{priority::Priority, telemetry};
 use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
 use tokio::{sync::mpsc, task::JoinHandle};
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 use super::{
     Cluster, WorkerId,
@@ -154,10 +154,16 @@ impl WorkerLink {
         id: WorkerId,
         node_id: &str,
         address: &str,
+        tls: Option<ClientTlsConfig>,
         cluster: Weak<Cluster>,
         queue: Arc<QueueTotals>,
     ) -> anyhow::Result<Arc<Self>> {
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))?
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))?;
+        if let Some(tls) = tls {
+            endpoint = endpoint.tls_config(tls)?;
+        }
+        let endpoint = endpoint
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
@@ -364,7 +370,15 @@ async fn maintain(link: Weak<WorkerLink>, cluster: Weak<Cluster>) {
         l.set_unplaceable();
         c.forget_blocks(&l);
         failures = if was_up { 1 } else { failures + 1 };
-        if let Err(e) = outcome {
+        if let Err(e) = &outcome
+            && failed_tls(e)
+        {
+            // Not a worker this router trusts: it never gets a request. Said once.
+            c.count_tls_failure();
+            if failures == 1 {
+                tracing::warn!(worker = %l.node_id, address = %l.address, "worker failed TLS verification: {e:#}");
+            }
+        } else if let Err(e) = outcome {
             // A link that was up going down is news; a worker still starting (loading its
             // model) is retried quietly after the first message.
             if was_up {
@@ -379,6 +393,17 @@ async fn maintain(link: Weak<WorkerLink>, cluster: Weak<Cluster>) {
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
+}
+
+/// Whether `e` is a TLS failure (a certificate refused, by either side), anywhere in its chain.
+fn failed_tls(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause.downcast_ref::<rustls::Error>().is_some()
+            || cause
+                .downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some())
+    })
 }
 
 /// Whether a worker of this protocol version takes requests on a Session stream.
@@ -479,7 +504,7 @@ mod tests {
 
     fn link(id: u64, queue: &Arc<QueueTotals>) -> Arc<WorkerLink> {
         // No cluster: the link's task ends at once, leaving its state to the test.
-        WorkerLink::spawn(WorkerId(id), &format!("w{id}"), "127.0.0.1:9", Weak::new(), queue.clone()).unwrap()
+        WorkerLink::spawn(WorkerId(id), &format!("w{id}"), "127.0.0.1:9", None, Weak::new(), queue.clone()).unwrap()
     }
 
     fn report(sequence: u64, waiting_requests: u32, waiting_prompt_tokens: u64) -> pb::LoadReport {

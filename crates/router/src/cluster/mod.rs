@@ -23,7 +23,7 @@ use std::{
     },
 };
 
-use bellows_common::priority::Priority;
+use bellows_common::{priority::Priority, tls::ClusterTls};
 use bellows_proto::worker::v1 as pb;
 
 use crate::metrics::{ChangeLabels, Metrics, ModelLabels, PriorityLabels, WorkerLabels};
@@ -50,12 +50,15 @@ pub struct Cluster {
     /// Reported prefix-index entries this router keeps at most, over every worker.
     index_budget: usize,
     queue: Arc<QueueTotals>,
+    /// Mutual TLS to the workers; `None`: plaintext.
+    tls: Option<ClusterTls>,
 }
 
 impl Cluster {
     /// `index_budget`: see [`prefix_index`]'s memory bound.
-    pub fn new(metrics: Arc<Metrics>, index_budget: usize) -> Arc<Self> {
+    pub fn new(metrics: Arc<Metrics>, index_budget: usize, tls: Option<ClusterTls>) -> Arc<Self> {
         Arc::new(Cluster {
+            tls,
             metrics,
             next_id: AtomicU64::new(0),
             links: RwLock::default(),
@@ -78,7 +81,8 @@ impl Cluster {
             return;
         }
         let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        match WorkerLink::spawn(id, node_id, address, Arc::downgrade(self), self.queue.clone()) {
+        let tls = self.tls.as_ref().map(|t| t.client(&expected_name(node_id, address)));
+        match WorkerLink::spawn(id, node_id, address, tls, Arc::downgrade(self), self.queue.clone()) {
             Ok(link) => {
                 tracing::info!(worker = node_id, address, "worker joined");
                 self.metrics.membership_changes.get_or_create(&ChangeLabels { change: "join" }).inc();
@@ -89,6 +93,11 @@ impl Cluster {
             }
             Err(e) => tracing::error!(worker = node_id, address, "cannot reach worker at this address: {e:#}"),
         }
+    }
+
+    /// A worker's link failed TLS (see [`link`]'s module docs).
+    pub(crate) fn count_tls_failure(&self) {
+        self.metrics.worker_tls_failures.inc();
     }
 
     /// A worker left: stop placing there at once.
@@ -227,5 +236,14 @@ impl Cluster {
     /// router sent that the reports do not show yet (running totals, see [`queue`]).
     pub fn queue(&self) -> QueueView {
         self.queue.view()
+    }
+}
+
+/// The name a worker's certificate must carry: the node id it registered under, or for a
+/// `--workers` entry (no registration) the host it was given as.
+fn expected_name(node_id: &str, address: &str) -> String {
+    match node_id.strip_prefix(discovery::STATIC_PREFIX) {
+        Some(_) => address.rsplit_once(':').map_or(address, |(host, _)| host).to_string(),
+        None => node_id.to_string(),
     }
 }

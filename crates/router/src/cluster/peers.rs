@@ -8,17 +8,23 @@ use std::{collections::HashSet, time::Duration};
 
 pub use bellows_common::cluster::hostname;
 use bellows_common::cluster::{router_key, routers_prefix};
-use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 
 /// Lease of a router's registration: a router that dies stops counting after this.
 const LEASE_TTL_SECS: i64 = 5;
 
 /// Register this router and report the number of live routers to `on_count` on every change,
 /// forever.
-pub async fn share_with_peers(endpoints: Vec<String>, cluster: String, id: String, on_count: impl Fn(usize)) {
+pub async fn share_with_peers(
+    endpoints: Vec<String>,
+    options: ConnectOptions,
+    cluster: String,
+    id: String,
+    on_count: impl Fn(usize),
+) {
     let mut backoff = Duration::from_millis(200);
     loop {
-        if let Err(e) = follow(&endpoints, &cluster, &id, &on_count).await {
+        if let Err(e) = follow(&endpoints, &options, &cluster, &id, &on_count).await {
             tracing::warn!("router registration interrupted (keeping the last known share): {e:#}");
         }
         tokio::time::sleep(backoff).await;
@@ -26,10 +32,16 @@ pub async fn share_with_peers(endpoints: Vec<String>, cluster: String, id: Strin
     }
 }
 
-async fn follow(endpoints: &[String], cluster: &str, id: &str, on_count: &impl Fn(usize)) -> anyhow::Result<()> {
+async fn follow(
+    endpoints: &[String],
+    options: &ConnectOptions,
+    cluster: &str,
+    id: &str,
+    on_count: &impl Fn(usize),
+) -> anyhow::Result<()> {
     let prefix = routers_prefix(cluster)?;
     let key = router_key(cluster, id)?;
-    let mut client = Client::connect(endpoints, None).await?;
+    let mut client = Client::connect(endpoints, Some(options.clone())).await?;
     let lease = client.lease_grant(LEASE_TTL_SECS, None).await?.id();
     client.put(key.as_str(), "{}", Some(PutOptions::new().with_lease(lease))).await?;
     let (mut keeper, mut alive) = client.lease_keep_alive(lease).await?;

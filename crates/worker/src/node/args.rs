@@ -3,7 +3,11 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use bellows_common::{duration::parse_duration, telemetry::LogFormat};
+use bellows_common::{
+    duration::parse_duration,
+    telemetry::LogFormat,
+    tls::{EtcdAuthArgs, TlsArgs},
+};
 use clap::{Args, ValueEnum};
 
 use crate::{engine::EngineConfig, load::ModelArgs, model::sim::SimConfig, scheduler::SchedulerConfig};
@@ -50,6 +54,11 @@ pub struct ServeArgs {
     /// etcd endpoints, comma separated (e.g. http://etcd:2379). None: the node does not register.
     #[arg(long, env = "BELLOWS_ETCD_ENDPOINTS", value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
+    #[command(flatten)]
+    pub etcd_auth: EtcdAuthArgs,
+    /// Mutual TLS with the routers (docs/security.md).
+    #[command(flatten)]
+    pub tls: TlsArgs,
     /// Cluster name: the node registers under `/bellows/<cluster>/workers/`.
     #[arg(long, env = "BELLOWS_CLUSTER", default_value = "default")]
     pub cluster: String,

@@ -92,6 +92,14 @@ pub(crate) async fn serve_node(
     let advertise = args.advertise_address.clone().unwrap_or_else(|| advertised(local));
     // Check the key before anything slow: a bad name is a configuration error.
     let key = worker_key(&args.cluster, &node_id)?;
+    let tls = args.tls.load()?;
+    let etcd_options = args.etcd_auth.connect_options()?;
+    // Said once per process: a fleet's nodes (no `metrics`) share its flags.
+    if tls.is_none() && metrics {
+        tracing::warn!(
+            "plaintext gRPC: any client that reaches this port may generate (set --tls-ca, --tls-cert, --tls-key)"
+        );
+    }
 
     let lifecycle = Lifecycle::new();
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -102,7 +110,11 @@ pub(crate) async fn serve_node(
     let server = {
         let closed = lifecycle.clone();
         let counted = Counted { inner: service.clone(), metrics: node_metrics.clone() };
-        let router = Server::builder().add_service(health_service).add_service(WorkerServer::new(counted));
+        let mut builder = Server::builder();
+        if let Some(tls) = &tls {
+            builder = builder.tls_config(tls.server()).context("the worker's TLS settings")?;
+        }
+        let router = builder.add_service(health_service).add_service(WorkerServer::new(counted));
         // TCP_NODELAY: a Delta is a small write; with Nagle on it waits for the router's delayed
         // ACK (40 ms on Linux), which was most of a simulated request's latency.
         tokio::spawn(async move {
@@ -152,8 +164,10 @@ pub(crate) async fn serve_node(
     set_health(&health, ServingStatus::Serving).await;
 
     let endpoints = args.etcd_endpoints();
-    let registration = (!endpoints.is_empty())
-        .then(|| Registration::spawn(RegistrationConfig { endpoints, key, record, ttl: args.lease_ttl }));
+    let registration = (!endpoints.is_empty()).then(|| {
+        let config = RegistrationConfig { endpoints, options: etcd_options, key, record, ttl: args.lease_ttl };
+        Registration::spawn(config)
+    });
     tracing::info!(node_id, "serving");
 
     let sig = stops.next().await;

@@ -24,6 +24,8 @@ const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::fro
 #[derive(Debug, Clone)]
 pub struct RegistrationConfig {
     pub endpoints: Vec<String>,
+    /// TLS and credentials for etcd.
+    pub options: ConnectOptions,
     pub key: String,
     pub record: WorkerRecord,
     pub ttl: Duration,
@@ -115,7 +117,7 @@ async fn register_and_keep_alive(
     failures: &mut u32,
 ) -> anyhow::Result<std::convert::Infallible> {
     // A fresh client each time: after a failure the old connection may be dead for good.
-    let opts = ConnectOptions::new().with_connect_timeout(CALL_TIMEOUT).with_timeout(CALL_TIMEOUT);
+    let opts = cfg.options.clone().with_connect_timeout(CALL_TIMEOUT).with_timeout(CALL_TIMEOUT);
     let mut client = timeout(CALL_TIMEOUT, Client::connect(&cfg.endpoints, Some(opts))).await??;
     let lease = timeout(CALL_TIMEOUT, client.lease_grant(ttl_secs, None)).await??.id();
     timeout(CALL_TIMEOUT, client.put(cfg.key.as_str(), value, Some(PutOptions::new().with_lease(lease)))).await??;
