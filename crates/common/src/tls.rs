@@ -8,11 +8,35 @@
 //! write to etcd but holds no certificate for that name is never sent a request. Without the
 //! flags the links are plaintext, as on a laptop (`scripts/run.sh`); each process says so at
 //! start.
+//!
+//! The certificate files are re-read when they change (a Secret's rotation): each new
+//! connection uses the set current when it is made, and connections already open keep theirs, so
+//! a rotation drops no stream. etcd's TLS settings are read at start only.
 
-use std::path::{Path, PathBuf};
+use std::{
+    future::Future,
+    path::{Path, PathBuf},
+    pin::Pin,
+    sync::{Arc, RwLock},
+    task::{Context, Poll},
+    time::Duration,
+};
 
 use etcd_client::{ConnectOptions, TlsOptions};
-use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+use futures_util::{Stream, StreamExt};
+use hyper_util::rt::TokioIo;
+use rustls::{
+    ClientConfig, RootCertStore, ServerConfig,
+    pki_types::{CertificateDer, PrivateKeyDer, ServerName, pem::PemObject},
+    server::WebPkiClientVerifier,
+};
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    net::TcpStream,
+};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Certificate, Identity, Uri};
+use xxhash_rust::xxh3::xxh3_64;
 
 /// `--tls-ca`, `--tls-cert`, `--tls-key`: all three or none.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -55,41 +79,228 @@ pub enum TlsError {
     Incomplete { given: &'static str, missing: &'static str },
     #[error("cannot read {}: {source}", path.display())]
     Read { path: PathBuf, source: std::io::Error },
+    #[error("{}: {message}", path.display())]
+    Invalid { path: PathBuf, message: String },
 }
 
-/// The cluster's CA and this process's identity, loaded.
-#[derive(Clone, Debug)]
+/// How often the certificate files are looked at for a change.
+pub const RELOAD_EVERY: Duration = Duration::from_secs(5);
+/// Longest a client may take over its TLS handshake with a worker.
+const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+
+/// The cluster's CA and this process's certificate, as TLS configurations for both ends of a
+/// router-worker link; re-read when the files change ([`ClusterTls::spawn_reloader`]).
+#[derive(Clone)]
 pub struct ClusterTls {
-    ca: Certificate,
-    identity: Identity,
+    files: Arc<Files>,
+    current: Arc<RwLock<Loaded>>,
+}
+
+#[derive(Debug)]
+struct Files {
+    ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+/// One generation of the certificates, built into both configurations.
+struct Loaded {
+    server: Arc<ServerConfig>,
+    client: Arc<ClientConfig>,
+    /// A hash of the three files' bytes: a change is a new generation.
+    contents: u64,
+}
+
+impl std::fmt::Debug for ClusterTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterTls").field("files", &self.files).finish()
+    }
 }
 
 impl TlsArgs {
     /// `None` when no flag is given (plaintext links).
     pub fn load(&self) -> Result<Option<ClusterTls>, TlsError> {
-        let (ca, cert, key) = match (&self.ca, &self.cert, &self.key) {
+        let files = match (&self.ca, &self.cert, &self.key) {
             (None, None, None) => return Ok(None),
-            (Some(ca), Some(cert), Some(key)) => (ca, cert, key),
+            (Some(ca), Some(cert), Some(key)) => Files { ca: ca.clone(), cert: cert.clone(), key: key.clone() },
             (None, ..) => return Err(TlsError::Incomplete { given: "--tls-cert/--tls-key", missing: "--tls-ca" }),
             (_, None, _) => return Err(TlsError::Incomplete { given: "--tls-ca", missing: "--tls-cert" }),
             (_, _, None) => return Err(TlsError::Incomplete { given: "--tls-ca", missing: "--tls-key" }),
         };
-        Ok(Some(ClusterTls {
-            ca: Certificate::from_pem(read(ca)?),
-            identity: Identity::from_pem(read(cert)?, read(key)?),
-        }))
+        let loaded = Loaded::build(&files, files.read()?)?;
+        Ok(Some(ClusterTls { files: Arc::new(files), current: Arc::new(RwLock::new(loaded)) }))
+    }
+}
+
+impl Files {
+    fn read(&self) -> Result<[Vec<u8>; 3], TlsError> {
+        Ok([read(&self.ca)?, read(&self.cert)?, read(&self.key)?])
+    }
+}
+
+impl Loaded {
+    fn build(files: &Files, [ca, cert, key]: [Vec<u8>; 3]) -> Result<Loaded, TlsError> {
+        let contents = xxh3_64(&[ca.as_slice(), &cert, &key].concat());
+        let invalid = |path: &Path| {
+            let path = path.to_path_buf();
+            move |e: &dyn std::fmt::Display| TlsError::Invalid { path: path.clone(), message: e.to_string() }
+        };
+        let mut roots = RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(&ca) {
+            let c = c.map_err(|e| invalid(&files.ca)(&e))?;
+            roots.add(c).map_err(|e| invalid(&files.ca)(&e))?;
+        }
+        if roots.is_empty() {
+            return Err(invalid(&files.ca)(&"no certificate in the file"));
+        }
+        let chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(&cert).collect::<Result<_, _>>().map_err(|e| invalid(&files.cert)(&e))?;
+        let key = PrivateKeyDer::from_pem_slice(&key).map_err(|e| invalid(&files.key)(&e))?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let roots = Arc::new(roots);
+        let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+            .build()
+            .map_err(|e| invalid(&files.ca)(&e))?;
+        let mut server = ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .and_then(|b| b.with_client_cert_verifier(verifier).with_single_cert(chain.clone(), key.clone_key()))
+            .map_err(|e| invalid(&files.cert)(&e))?;
+        let mut client = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .and_then(|b| b.with_root_certificates(roots).with_client_auth_cert(chain, key))
+            .map_err(|e| invalid(&files.cert)(&e))?;
+        // gRPC is HTTP/2, and says so in the handshake.
+        server.alpn_protocols = vec![b"h2".to_vec()];
+        client.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(Loaded { server: Arc::new(server), client: Arc::new(client), contents })
     }
 }
 
 impl ClusterTls {
-    /// A worker's server: its own certificate, and only clients the CA signed.
-    pub fn server(&self) -> ServerTlsConfig {
-        ServerTlsConfig::new().identity(self.identity.clone()).client_ca_root(self.ca.clone())
+    fn server_config(&self) -> Arc<ServerConfig> {
+        self.current.read().expect("tls lock").server.clone()
     }
 
-    /// A router's link to the worker that registered as `peer` (its certificate must name it).
-    pub fn client(&self, peer: &str) -> ClientTlsConfig {
-        ClientTlsConfig::new().ca_certificate(self.ca.clone()).identity(self.identity.clone()).domain_name(peer)
+    fn client_config(&self) -> Arc<ClientConfig> {
+        self.current.read().expect("tls lock").client.clone()
+    }
+
+    /// Look at the files every `every` and take a changed set that loads; a set that does not
+    /// (half written, a key that does not match) is logged once and the last good one stays.
+    /// Stops when the last clone of `self` is dropped.
+    pub fn spawn_reloader(&self, every: Duration) {
+        let (files, current) = (self.files.clone(), Arc::downgrade(&self.current));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            let mut refused = None;
+            loop {
+                tick.tick().await;
+                let Some(current) = current.upgrade() else { return };
+                let bytes = match files.read() {
+                    Ok(b) => b,
+                    Err(e) => {
+                        tracing::debug!("TLS files unreadable for now: {e}");
+                        continue;
+                    }
+                };
+                let seen = current.read().expect("tls lock").contents;
+                let now = xxh3_64(&bytes.concat());
+                if now == seen || refused == Some(now) {
+                    continue;
+                }
+                match Loaded::build(&files, bytes) {
+                    Ok(loaded) => {
+                        *current.write().expect("tls lock") = loaded;
+                        refused = None;
+                        tracing::info!(cert = %files.cert.display(), "TLS certificates reloaded: new connections use them");
+                    }
+                    Err(e) => {
+                        refused = Some(now);
+                        tracing::warn!("TLS files changed but do not load; keeping the last good ones: {e}");
+                    }
+                }
+            }
+        });
+    }
+
+    /// A worker's connections: TLS over each accepted one, with the certificates current when it
+    /// arrived. Handshakes run side by side (a slow client holds up no other) and fail alone;
+    /// accepting stops when the server drops the stream.
+    pub fn accept<I, S>(
+        &self,
+        incoming: I,
+    ) -> impl Stream<Item = std::io::Result<tokio_rustls::server::TlsStream<S>>> + use<I, S>
+    where
+        I: Stream<Item = std::io::Result<S>> + Send + 'static,
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let tls = self.clone();
+        tokio::spawn(async move {
+            tokio::pin!(incoming);
+            loop {
+                let conn = tokio::select! {
+                    c = incoming.next() => c,
+                    _ = tx.closed() => return,
+                };
+                let Some(conn) = conn else { return };
+                let Ok(conn) = conn else { continue };
+                let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config());
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    match tokio::time::timeout(HANDSHAKE_LIMIT, acceptor.accept(conn)).await {
+                        Ok(Ok(stream)) => {
+                            let _ = tx.send(Ok(stream)).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!("TLS handshake refused: {e}"),
+                        Err(_) => tracing::debug!("TLS handshake timed out"),
+                    }
+                });
+            }
+        });
+        ReceiverStream::new(rx)
+    }
+
+    /// A router's connector to the worker that registered as `peer`: its certificate must chain
+    /// to the CA and name `peer`.
+    pub fn connector(&self, peer: &str) -> Result<TlsConnector, TlsError> {
+        let name = ServerName::try_from(peer.to_string())
+            .map_err(|e| TlsError::Invalid { path: PathBuf::from(peer), message: e.to_string() })?;
+        Ok(TlsConnector { tls: self.clone(), peer: name })
+    }
+}
+
+/// Connects a router's channel to one worker over TLS, with the certificates current at each
+/// (re)connection (a tower `Service<Uri>` for tonic's `connect_with_connector_lazy`).
+#[derive(Clone)]
+pub struct TlsConnector {
+    tls: ClusterTls,
+    peer: ServerName<'static>,
+}
+
+type Connecting =
+    Pin<Box<dyn Future<Output = std::io::Result<TokioIo<tokio_rustls::client::TlsStream<TcpStream>>>> + Send>>;
+
+impl tower_service::Service<Uri> for TlsConnector {
+    type Response = TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+    type Error = std::io::Error;
+    type Future = Connecting;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let (config, peer) = (self.tls.client_config(), self.peer.clone());
+        Box::pin(async move {
+            let host = uri.host().unwrap_or_default().trim_matches(['[', ']']).to_string();
+            let tcp = TcpStream::connect((host.as_str(), uri.port_u16().unwrap_or(443))).await?;
+            // Deltas are small writes (see the worker's own TCP_NODELAY).
+            tcp.set_nodelay(true)?;
+            let tls = tokio_rustls::TlsConnector::from(config).connect(peer, tcp).await?;
+            Ok(TokioIo::new(tls))
+        })
     }
 }
 

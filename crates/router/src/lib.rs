@@ -23,7 +23,7 @@ use std::{
 
 use anyhow::Context;
 use axum::serve::ListenerExt;
-use bellows_common::priority::Priority;
+use bellows_common::{priority::Priority, tls::RELOAD_EVERY};
 
 use crate::{
     admission::Admission,
@@ -45,8 +45,11 @@ pub fn start(args: &RouterArgs, port: u16) -> anyhow::Result<Arc<AppState>> {
     let usage = Arc::new(Usage::new());
     let metrics = Metrics::new(&usage);
     let tls = args.tls.load()?;
-    if tls.is_none() {
-        tracing::warn!("links to workers are plaintext gRPC (set --tls-ca, --tls-cert, --tls-key for mutual TLS)");
+    match &tls {
+        None => {
+            tracing::warn!("links to workers are plaintext gRPC (set --tls-ca, --tls-cert, --tls-key for mutual TLS)")
+        }
+        Some(tls) => tls.spawn_reloader(RELOAD_EVERY),
     }
     let cluster = Cluster::new(metrics.clone(), args.prefix_index_entries, tls);
     cluster::discovery::join_static(&cluster, &args.static_workers());

@@ -3,11 +3,16 @@
 //! client-certificate auth.
 //!
 //! Of the whole-cluster behaviour, this subset runs over TLS: discovery through etcd, streamed and
-//! whole completions and chat, and static `--workers`; everything else runs in plaintext.
+//! whole completions and chat, static `--workers`, and a certificate rotation under a running
+//! stream; everything else runs in plaintext.
 
 use std::time::Duration;
 
-use bellows_integration::{Etcd, Router, Worker, eventually, pki::Pki, sim};
+use bellows_integration::{
+    Etcd, Router, Worker, eventually,
+    pki::{Issued, Pki},
+    sim,
+};
 use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
 use serde_json::{Value, json};
 use tonic::transport::{ClientTlsConfig, Endpoint};
@@ -72,14 +77,19 @@ async fn over_mutual_tls_requests_complete_and_workers_that_fail_verification_ge
 
 /// WatchLoad on `worker` with this TLS client (`None`: plaintext): whether it answered.
 async fn can_watch(worker: &Worker, tls: Option<ClientTlsConfig>) -> bool {
+    load_over(worker, tls).await.is_some()
+}
+
+/// The worker's load, through a new connection with this TLS client; `None` if refused.
+async fn load_over(worker: &Worker, tls: Option<ClientTlsConfig>) -> Option<pb::LoadReport> {
     let scheme = if tls.is_some() { "https" } else { "http" };
     let mut endpoint = Endpoint::from_shared(format!("{scheme}://{}", worker.addr)).unwrap();
     if let Some(tls) = tls {
         endpoint = endpoint.tls_config(tls).unwrap();
     }
-    let Ok(channel) = endpoint.connect().await else { return false };
-    let Ok(stream) = WorkerClient::new(channel).watch_load(pb::WatchLoadRequest {}).await else { return false };
-    stream.into_inner().message().await.is_ok_and(|m| m.is_some())
+    let channel = endpoint.connect().await.ok()?;
+    let stream = WorkerClient::new(channel).watch_load(pb::WatchLoadRequest {}).await.ok()?;
+    stream.into_inner().message().await.ok()??.load
 }
 
 #[tokio::test]
@@ -125,4 +135,58 @@ async fn etcd_with_client_certificate_auth_refuses_a_client_without_one() {
     assert!(refused, "etcd served a client without a certificate");
     let mut trusted = etcd.client().await;
     trusted.put("probe", "1", None).await.expect("a client with the certificate is served");
+}
+
+#[tokio::test]
+async fn a_rotated_certificate_is_taken_for_new_connections_while_open_streams_go_on() {
+    let (old, new) = (Pki::new("old"), Pki::new("new"));
+    // Where a Secret is mounted: files replaced by rename, as the kubelet does.
+    let mount = tempfile::TempDir::new().unwrap();
+    let path = |name: &str| mount.path().join(name);
+    let install = |pki: &Pki, issued: &Issued| {
+        for (from, to) in [(pki.ca_path(), "ca.pem"), (issued.cert.clone(), "tls.crt"), (issued.key.clone(), "tls.key")]
+        {
+            let tmp = path(&format!(".{to}.tmp"));
+            std::fs::copy(from, &tmp).unwrap();
+            std::fs::rename(&tmp, path(to)).unwrap();
+        }
+    };
+    install(&old, &old.issue("worker", &["127.0.0.1"]));
+    let mut args = sim(r#"{"base_us": 20000}"#);
+    for (flag, file) in [("--tls-ca", "ca.pem"), ("--tls-cert", "tls.crt"), ("--tls-key", "tls.key")] {
+        args.extend([flag.to_string(), path(file).to_string_lossy().into_owned()]);
+    }
+    let old_harness = old.issue("harness", &["harness"]);
+    let worker = Worker::start_tls(&args, old.client("127.0.0.1", Some(&old_harness))).await;
+    let mut router_args = vec!["--workers".to_string(), worker.addr.clone()];
+    router_args.extend(old.flags(&old.issue("router", &["router"])));
+    let router = Router::start(&router_args).await;
+    router.wait_placeable(1).await;
+
+    // 500 steps of 20 ms: the stream runs through the rotation (looked for every 5 s).
+    let url = router.url("/v1/completions");
+    let stream = tokio::spawn(async move {
+        let body = json!({"model": "sim", "prompt": [5, 6, 7], "max_tokens": 500, "stream": true});
+        let r = reqwest::Client::new().post(url).json(&body).send().await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    });
+    eventually("the stream running", Duration::from_secs(10), || async {
+        (worker.load().await.running_requests == 1).then_some(())
+    })
+    .await;
+    install(&new, &new.issue("worker", &["127.0.0.1"]));
+    let new_harness = new.issue("harness", &["harness"]);
+    let load = eventually("the worker to take the new certificates", Duration::from_secs(30), || async {
+        load_over(&worker, Some(new.client("127.0.0.1", Some(&new_harness)))).await
+    })
+    .await;
+    assert_eq!(load.running_requests, 1, "the stream must still be running when the new certificates apply");
+    assert!(
+        !can_watch(&worker, Some(old.client("127.0.0.1", Some(&old_harness)))).await,
+        "the old CA is still trusted"
+    );
+    let (status, body) = stream.await.unwrap();
+    assert_eq!(status, 200);
+    assert!(!body.contains("\"error\""), "the stream broke: {body}");
+    assert!(body.contains("\"finish_reason\":\"length\"") && body.trim_end().ends_with("data: [DONE]"), "{body}");
 }

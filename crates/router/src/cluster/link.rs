@@ -31,11 +31,11 @@ use std::{
     time::Duration,
 };
 
-use bellows_common::{priority::Priority, telemetry};
+use bellows_common::{priority::Priority, telemetry, tls::TlsConnector};
 use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
 use tokio::{sync::mpsc, task::JoinHandle};
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::{Channel, Endpoint};
 
 use super::{
     Cluster, WorkerId,
@@ -154,16 +154,13 @@ impl WorkerLink {
         id: WorkerId,
         node_id: &str,
         address: &str,
-        tls: Option<ClientTlsConfig>,
+        tls: Option<TlsConnector>,
         cluster: Weak<Cluster>,
         queue: Arc<QueueTotals>,
     ) -> anyhow::Result<Arc<Self>> {
-        let scheme = if tls.is_some() { "https" } else { "http" };
-        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))?;
-        if let Some(tls) = tls {
-            endpoint = endpoint.tls_config(tls)?;
-        }
-        let endpoint = endpoint
+        // With TLS the connector does the handshake (certificates current at each connection):
+        // the URI's scheme stays http.
+        let endpoint = Endpoint::from_shared(format!("http://{address}"))?
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
@@ -175,7 +172,10 @@ impl WorkerLink {
             node_id: node_id.to_string(),
             stable_id: xxhash_rust::xxh3::xxh3_64(node_id.as_bytes()),
             address: address.to_string(),
-            client: WorkerClient::new(endpoint.connect_lazy()),
+            client: WorkerClient::new(match tls {
+                Some(connector) => endpoint.connect_with_connector_lazy(connector),
+                None => endpoint.connect_lazy(),
+            }),
             state: Mutex::new(LinkState::default()),
             queue,
             next_pending: AtomicU64::new(0),

@@ -81,7 +81,13 @@ impl Cluster {
             return;
         }
         let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let tls = self.tls.as_ref().map(|t| t.client(&expected_name(node_id, address)));
+        let tls = match self.tls.as_ref().map(|t| t.connector(&expected_name(node_id, address))).transpose() {
+            Ok(tls) => tls,
+            Err(e) => {
+                tracing::error!(worker = node_id, address, "cannot check this worker's certificate: {e}");
+                return;
+            }
+        };
         match WorkerLink::spawn(id, node_id, address, tls, Arc::downgrade(self), self.queue.clone()) {
             Ok(link) => {
                 tracing::info!(worker = node_id, address, "worker joined");

@@ -33,7 +33,10 @@ pub mod status;
 use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context, Result};
-use bellows_common::cluster::{WorkerRecord, hostname, worker_key};
+use bellows_common::{
+    cluster::{WorkerRecord, hostname, worker_key},
+    tls::RELOAD_EVERY,
+};
 use bellows_proto::worker::v1::worker_server::WorkerServer;
 use tonic::transport::{Server, server::TcpIncoming};
 use tonic_health::{ServingStatus, server::HealthReporter};
@@ -110,20 +113,18 @@ pub(crate) async fn serve_node(
     let server = {
         let closed = lifecycle.clone();
         let counted = Counted { inner: service.clone(), metrics: node_metrics.clone() };
-        let mut builder = Server::builder();
-        if let Some(tls) = &tls {
-            builder = builder.tls_config(tls.server()).context("the worker's TLS settings")?;
-        }
-        let router = builder.add_service(health_service).add_service(WorkerServer::new(counted));
+        let router = Server::builder().add_service(health_service).add_service(WorkerServer::new(counted));
         // TCP_NODELAY: a Delta is a small write; with Nagle on it waits for the router's delayed
         // ACK (40 ms on Linux), which was most of a simulated request's latency.
-        tokio::spawn(async move {
-            router
-                .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), async move {
-                    closed.closed().await
-                })
-                .await
-        })
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        let shutdown = async move { closed.closed().await };
+        match &tls {
+            None => tokio::spawn(router.serve_with_incoming_shutdown(incoming, shutdown)),
+            Some(tls) => {
+                tls.spawn_reloader(RELOAD_EVERY);
+                tokio::spawn(router.serve_with_incoming_shutdown(tls.accept(incoming), shutdown))
+            }
+        }
     };
     tracing::info!(address = %local, node_id, engine = ?args.engine, "listening; loading the model");
 
