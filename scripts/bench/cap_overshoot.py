@@ -11,20 +11,15 @@ Usage: python3 scripts/bench/cap_overshoot.py [BIN_DIR] (default target/release)
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from benchlib import free_port, wait_placeable
+
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release"
 CAP, BURST, TRIALS = 4, 40, 5
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url):
@@ -35,18 +30,6 @@ def post(url):
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
-
-
-def wait_ready(url):
-    for _ in range(300):
-        try:
-            text = urllib.request.urlopen(url + "/metrics", timeout=1).read().decode()
-            if "bellows_router_placeable_workers 1" in text:
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise SystemExit(f"{url} not ready")
 
 
 def run(routers):
@@ -65,7 +48,7 @@ def run(routers):
                  "--max-waiting", str(CAP)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             urls.append(f"http://127.0.0.1:{port}")
         for u in urls:
-            wait_ready(u)
+            wait_placeable(u, 1)
         admitted = []
         with concurrent.futures.ThreadPoolExecutor(BURST * routers) as pool:
             for _ in range(TRIALS):

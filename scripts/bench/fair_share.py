@@ -13,7 +13,6 @@ Usage: python3 scripts/bench/fair_share.py [BIN_DIR] (default target/release).""
 import hashlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,16 +22,12 @@ import time
 import urllib.error
 import urllib.request
 
+from benchlib import free_port, pct, wait_placeable
+
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release"
 CAP = int(os.environ.get("CAP", "8"))
 SECONDS, NOISY_CONNS = 20, 20
 TENANTS = [f"t{i}" for i in range(10)]  # t0 is the noisy one
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ttft(url, key, deadline):
@@ -76,13 +71,7 @@ def run(fair, with_noisy):
                 "--max-waiting", str(CAP), "--tenants-file", path, "--fair-queue-timeout", "30s" if fair else "0"]
         procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                if "bellows_router_placeable_workers 2" in urllib.request.urlopen(url + "/metrics").read().decode():
-                    break
-            except OSError:
-                pass
-            time.sleep(0.05)
+        wait_placeable(url, 2)
         results = {t: [] for t in TENANTS}
         deadline = time.monotonic() + SECONDS
 
@@ -103,11 +92,6 @@ def run(fair, with_noisy):
     finally:
         for p in procs:
             p.kill()
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import json
 import os
 import tempfile
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -24,16 +23,12 @@ import time
 import urllib.error
 import urllib.request
 
+from benchlib import free_port, pct, wait_placeable
+
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release"
 RATE = float(os.environ.get("RATE", "1"))
 SECONDS = int(os.environ.get("DURATION", "60"))
 BATCH_FACTOR = 20
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 TENANTS = ("tenants:\n"
@@ -101,13 +96,7 @@ def run(batch, batch_tier, tenants=False):
             [f"{BIN}/bellows-router", "--listen", f"127.0.0.1:{port}", "--workers", ",".join(workers),
              "--max-waiting", "32", *auth], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                if "bellows_router_placeable_workers 2" in urllib.request.urlopen(url + "/metrics").read().decode():
-                    break
-            except OSError:
-                pass
-            time.sleep(0.05)
+        wait_placeable(url, 2)
         deadline = time.monotonic() + SECONDS + 30
         ttfts, batch_status, lock = [], [], threading.Lock()
 
@@ -142,11 +131,6 @@ def run(batch, batch_tier, tenants=False):
         for p in procs:
             p.kill()
             p.wait()
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,29 @@
+"""What the Python benchmark scripts share: free ports, waiting for a router, percentiles."""
+import socket
+import time
+import urllib.request
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_placeable(url, workers):
+    """Until the router at `url` has `workers` placeable workers (its /metrics says so)."""
+    for _ in range(300):
+        try:
+            text = urllib.request.urlopen(url + "/metrics", timeout=1).read().decode()
+            if f"bellows_router_placeable_workers {workers}" in text:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise SystemExit(f"{url} not ready: fewer than {workers} placeable workers")
+
+
+def pct(xs, q):
+    """The q-quantile of xs (nearest rank); NaN when empty."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
