@@ -27,3 +27,13 @@ def pct(xs, q):
     """The q-quantile of xs (nearest rank); NaN when empty."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def first_data_after(response, start):
+    """Seconds from `start` (a time.monotonic()) to the first SSE data chunk of `response`, which
+    is read to its end; None if it had none."""
+    first = None
+    for line in response:
+        if first is None and line.startswith(b"data: {"):
+            first = time.monotonic() - start
+    return first

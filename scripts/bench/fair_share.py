@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 
-from benchlib import free_port, pct, wait_placeable
+from benchlib import first_data_after, free_port, pct, wait_placeable
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release"
 CAP = int(os.environ.get("CAP", "8"))
@@ -39,11 +39,7 @@ def ttft(url, key, deadline):
                                      {"content-type": "application/json", "authorization": f"Bearer {key}"})
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
-                first = None
-                for line in r:
-                    if first is None and line.startswith(b"data: {"):
-                        first = time.monotonic() - start
-                return first
+                return first_data_after(r, start)
         except urllib.error.HTTPError as e:
             e.read()
             time.sleep(0.05)

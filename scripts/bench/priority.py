@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 
-from benchlib import free_port, pct, wait_placeable
+from benchlib import first_data_after, free_port, pct, wait_placeable
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release"
 RATE = float(os.environ.get("RATE", "1"))
@@ -47,11 +47,7 @@ def send(url, body, deadline, retry, key=None):
         req = urllib.request.Request(url + "/v1/completions", data, headers)
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
-                first = None
-                for line in r:
-                    if first is None and line.startswith(b"data: {"):
-                        first = time.monotonic() - start
-                return 200, first
+                return 200, first_data_after(r, start)
         except urllib.error.HTTPError as e:
             e.read()
             if not (retry and e.code == 503 and time.monotonic() < deadline):
