@@ -1,5 +1,6 @@
 """What the Python benchmark scripts share: free ports, waiting for a router, percentiles."""
 import socket
+import subprocess
 import time
 import urllib.request
 
@@ -37,3 +38,16 @@ def first_data_after(response, start):
         if first is None and line.startswith(b"data: {"):
             first = time.monotonic() - start
     return first
+
+
+def start_sim_workers(bin_dir, n, sim_config, extra, procs):
+    """Start `n` simulated workers (`extra` flags each) on free ports, adding them to `procs`;
+    their host:port addresses."""
+    addresses = []
+    for _ in range(n):
+        port = free_port()
+        procs.append(subprocess.Popen(
+            [f"{bin_dir}/bellows-worker", "serve", "--engine", "sim", "--sim-config", sim_config,
+             "--listen", f"127.0.0.1:{port}", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        addresses.append(f"127.0.0.1:{port}")
+    return addresses

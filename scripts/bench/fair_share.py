@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 
-from benchlib import first_data_after, free_port, pct, wait_placeable
+from benchlib import first_data_after, free_port, pct, start_sim_workers, wait_placeable
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release"
 CAP = int(os.environ.get("CAP", "8"))
@@ -54,14 +54,7 @@ def run(fair, with_noisy):
     open(path, "w").write(tenants)
     procs = []
     try:
-        workers = []
-        for _ in range(2):
-            port = free_port()
-            procs.append(subprocess.Popen(
-                [f"{BIN}/bellows-worker", "serve", "--engine", "sim", "--sim-config", '{"base_us": 20000}',
-                 "--max-running", "2", "--listen", f"127.0.0.1:{port}"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            workers.append(f"127.0.0.1:{port}")
+        workers = start_sim_workers(BIN, 2, '{"base_us": 20000}', ["--max-running", "2"], procs)
         port = free_port()
         args = [f"{BIN}/bellows-router", "--listen", f"127.0.0.1:{port}", "--workers", ",".join(workers),
                 "--max-waiting", str(CAP), "--tenants-file", path, "--fair-queue-timeout", "30s" if fair else "0"]

@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 
-from benchlib import first_data_after, free_port, pct, wait_placeable
+from benchlib import first_data_after, free_port, pct, start_sim_workers, wait_placeable
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release"
 RATE = float(os.environ.get("RATE", "1"))
@@ -79,14 +79,8 @@ def run(batch, batch_tier, tenants=False):
         open(path, "w").write(TENANTS)
         auth = ["--tenants-file", path]
     try:
-        workers = []
-        for _ in range(2):
-            port = free_port()
-            procs.append(subprocess.Popen(
-                [f"{BIN}/bellows-worker", "serve", "--engine", "sim", "--sim-config", '{"base_us": 20000}',
-                 "--max-running", "16", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:0"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            workers.append(f"127.0.0.1:{port}")
+        workers = start_sim_workers(BIN, 2, '{"base_us": 20000}',
+                                    ["--max-running", "16", "--metrics-listen", "127.0.0.1:0"], procs)
         port = free_port()
         procs.append(subprocess.Popen(
             [f"{BIN}/bellows-router", "--listen", f"127.0.0.1:{port}", "--workers", ",".join(workers),
