@@ -244,8 +244,16 @@ impl ClusterTls {
                     c = incoming.next() => c,
                     _ = tx.closed() => return,
                 };
-                let Some(conn) = conn else { return };
-                let Ok(conn) = conn else { continue };
+                let conn = match conn {
+                    None => return,
+                    Some(Ok(conn)) => conn,
+                    Some(Err(e)) => {
+                        // Out of file descriptors, say: do not spin on it.
+                        tracing::debug!("accepting a connection failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
                 let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config());
                 let tx = tx.clone();
                 tokio::spawn(async move {
