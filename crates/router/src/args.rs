@@ -6,7 +6,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use bellows_common::{
     duration::parse_duration,
     telemetry::LogFormat,
-    tls::{EtcdAuthArgs, TlsArgs},
+    tls::{EtcdAuthArgs, HttpTlsArgs, TlsArgs},
 };
 use clap::Parser;
 
@@ -73,6 +73,9 @@ pub struct RouterArgs {
     /// Mutual TLS with the workers (docs/security.md).
     #[command(flatten)]
     pub tls: TlsArgs,
+    /// TLS on the HTTP listener (docs/security.md).
+    #[command(flatten)]
+    pub http_tls: HttpTlsArgs,
     /// Log format: text or json.
     #[arg(long, env = "BELLOWS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -171,5 +174,24 @@ mod tests {
         let ok = super::RouterArgs::try_parse_from(["bellows-router", "--workers", "http://127.0.0.1:1,127.0.0.1:2"])
             .unwrap();
         assert_eq!(ok.static_workers(), ["127.0.0.1:1", "127.0.0.1:2"]);
+    }
+
+    #[test]
+    fn the_http_listeners_certificate_and_the_clusters_are_separate_flags() {
+        use clap::Parser;
+        let args = super::RouterArgs::try_parse_from([
+            "bellows-router",
+            "--http-tls-cert",
+            "/edge.pem",
+            "--http-tls-key",
+            "/edge-key.pem",
+            "--tls-cert",
+            "/cluster.pem",
+        ])
+        .unwrap();
+        assert_eq!(args.http_tls.http_cert.as_deref(), Some(std::path::Path::new("/edge.pem")));
+        assert_eq!(args.http_tls.http_key.as_deref(), Some(std::path::Path::new("/edge-key.pem")));
+        assert_eq!(args.tls.cert.as_deref(), Some(std::path::Path::new("/cluster.pem")));
+        assert_eq!(args.tls.key, None);
     }
 }

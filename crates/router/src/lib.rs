@@ -25,6 +25,8 @@ use anyhow::Context;
 use axum::serve::ListenerExt;
 use bellows_common::{priority::Priority, tls::RELOAD_EVERY};
 
+use crate::api::tls_listener::TlsListener;
+
 use crate::{
     admission::Admission,
     api::AppState,
@@ -149,12 +151,20 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         !args.static_workers().is_empty() || !args.etcd_endpoints().is_empty(),
         "no workers to route to: give --workers host:port,... or --etcd-endpoints"
     );
+    let http_tls = args.http_tls.load()?;
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let addr = listener.local_addr()?;
     let state = start(&args, addr.port())?;
-    tracing::info!(%addr, policy = args.policy.as_str(), "bellows-router listening");
-    println!("bellows-router listening on http://{addr}");
+    let scheme = if http_tls.is_some() { "https" } else { "http" };
+    tracing::info!(%addr, policy = args.policy.as_str(), scheme, "bellows-router listening");
+    println!("bellows-router listening on {scheme}://{addr}");
+    if let Some(tls) = http_tls {
+        tls.spawn_reloader(RELOAD_EVERY);
+        let listener = TlsListener::new(listener, &tls)?;
+        axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown_signal()).await?;
+        return Ok(());
+    }
     // Streamed tokens are small writes: without TCP_NODELAY each waits for the client's delayed
     // ACK (40 ms on Linux).
     let listener = listener.tap_io(|tcp| {

@@ -190,3 +190,60 @@ async fn a_rotated_certificate_is_taken_for_new_connections_while_open_streams_g
     assert!(!body.contains("\"error\""), "the stream broke: {body}");
     assert!(body.contains("\"finish_reason\":\"length\"") && body.trim_end().ends_with("data: [DONE]"), "{body}");
 }
+
+/// `curl` over HTTPS trusting `ca`: the status and body, or `None` if it could not connect.
+fn curl(url: &str, ca: &std::path::Path, body: Option<&str>) -> Option<(u16, String)> {
+    let mut cmd = std::process::Command::new("curl");
+    cmd.args(["-sS", "--max-time", "20", "-w", "\n%{http_code}", "--cacert"]).arg(ca).arg(url);
+    if let Some(b) = body {
+        cmd.args(["-H", "content-type: application/json", "-d", b]);
+    }
+    let out = cmd.output().expect("curl runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n')?;
+    let code: u16 = code.trim().parse().ok()?;
+    (code != 0).then(|| (code, body.to_string()))
+}
+
+#[tokio::test]
+async fn the_routers_http_listener_serves_tls_with_its_certificate() {
+    let (edge, other) = (Pki::new("edge"), Pki::new("other"));
+    let worker = Worker::start(&sim("{}")).await;
+    let cert = edge.issue("router-http", &["127.0.0.1"]);
+    let addr = format!("127.0.0.1:{}", bellows_integration::free_port());
+    let args = ["--listen", &addr, "--workers", &worker.addr, "--http-tls-cert"]
+        .map(String::from)
+        .into_iter()
+        .chain([
+            cert.cert.to_string_lossy().into_owned(),
+            "--http-tls-key".into(),
+            cert.key.to_string_lossy().into_owned(),
+        ])
+        .collect();
+    let mut router = bellows_integration::Process::spawn(
+        "router",
+        bellows_integration::binary("bellows-router"),
+        args,
+        addr.clone(),
+        &[],
+    );
+    let url = format!("https://{addr}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while curl(&format!("{url}/health"), &edge.ca_path(), None).is_none_or(|(code, _)| code != 200) {
+        assert!(!router.exited(), "router exited; log:\n{}", router.log());
+        assert!(std::time::Instant::now() < deadline, "no answer over TLS in 30 s; log:\n{}", router.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let answer = curl(
+        &format!("{url}/v1/completions"),
+        &edge.ca_path(),
+        Some(r#"{"model":"sim","prompt":[1,2,3],"max_tokens":3}"#),
+    );
+    let (code, body) = answer.expect("a completion over TLS");
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"text_completion\""), "{body}");
+    // A client that does not trust its CA is refused in the handshake; plaintext gets nothing.
+    assert_eq!(curl(&format!("{url}/health"), &other.ca_path(), None), None);
+    let plain = reqwest::get(format!("http://{addr}/health")).await;
+    assert!(plain.is_err() || !plain.unwrap().status().is_success(), "plaintext HTTP was served");
+}

@@ -5,6 +5,7 @@ pub mod error;
 pub mod refusal_log;
 pub mod request;
 pub mod response;
+pub mod tls_listener;
 pub mod tool_request;
 
 use std::sync::Arc;

@@ -1,0 +1,205 @@
+//! TLS inside and at the edge of the cluster: mutual TLS between routers and workers
+//! ([`cluster`]), TLS on the router's HTTP listener ([`http`]), and TLS plus credentials to etcd.
+//! Both processes read the same flags through these types, so they cannot disagree on what a
+//! setting means. Without the flags every link is plaintext, as on a laptop (`scripts/run.sh`);
+//! each process says so at start.
+//!
+//! Certificate files are re-read when they change ([`reload`]): each new connection uses the set
+//! current when it is made, and connections already open keep theirs, so a rotation drops no
+//! stream. etcd's TLS settings are read at start only.
+
+pub mod cluster;
+pub mod http;
+mod reload;
+
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use etcd_client::{ConnectOptions, TlsOptions};
+use futures_util::{Stream, StreamExt};
+use rustls::ServerConfig;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Certificate, Identity};
+
+pub use cluster::{ClusterTls, TlsConnector};
+pub use http::HttpTls;
+
+/// How often certificate files are looked at for a change.
+pub const RELOAD_EVERY: Duration = Duration::from_secs(5);
+/// Longest a client may take over its TLS handshake.
+const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+
+/// `--tls-ca`, `--tls-cert`, `--tls-key`: all three or none.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct TlsArgs {
+    /// PEM CA certificate that signs the cluster's router and worker certificates. With
+    /// --tls-cert and --tls-key, links between routers and workers use mutual TLS.
+    #[arg(long = "tls-ca", env = "BELLOWS_TLS_CA")]
+    pub ca: Option<PathBuf>,
+    /// PEM certificate of this process (a worker's names its node id; a router's is a client
+    /// certificate).
+    #[arg(long = "tls-cert", env = "BELLOWS_TLS_CERT")]
+    pub cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long = "tls-key", env = "BELLOWS_TLS_KEY")]
+    pub key: Option<PathBuf>,
+}
+
+/// etcd over TLS and with etcd's own user/password auth.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct EtcdAuthArgs {
+    /// PEM CA certificate that signs etcd's server certificate (use https:// endpoints).
+    #[arg(long, env = "BELLOWS_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// PEM client certificate for etcd's client-certificate auth, with --etcd-key.
+    #[arg(long, env = "BELLOWS_ETCD_CERT")]
+    pub etcd_cert: Option<PathBuf>,
+    #[arg(long, env = "BELLOWS_ETCD_KEY")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user (etcd's auth), with --etcd-password-file.
+    #[arg(long, env = "BELLOWS_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (a mounted Secret; never a flag's value).
+    #[arg(long, env = "BELLOWS_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+}
+
+/// `--http-tls-cert`, `--http-tls-key`: TLS on the router's own HTTP listener, both or none.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct HttpTlsArgs {
+    /// PEM certificate chain the router's HTTP listener presents (for clusters without an
+    /// ingress that terminates TLS), with --http-tls-key.
+    // Field names are clap's ids: distinct from `TlsArgs`' so both can be flattened together.
+    #[arg(long = "http-tls-cert", env = "BELLOWS_HTTP_TLS_CERT")]
+    pub http_cert: Option<PathBuf>,
+    #[arg(long = "http-tls-key", env = "BELLOWS_HTTP_TLS_KEY")]
+    pub http_key: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{given} needs {missing} too")]
+    Incomplete { given: &'static str, missing: &'static str },
+    #[error("cannot read {}: {source}", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{}: {message}", path.display())]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl EtcdAuthArgs {
+    /// The etcd client's options: TLS and credentials as given (none: plaintext, no auth).
+    pub fn connect_options(&self) -> Result<ConnectOptions, TlsError> {
+        let mut options = ConnectOptions::new();
+        let mut tls = None::<TlsOptions>;
+        if let Some(ca) = &self.etcd_ca {
+            tls = Some(TlsOptions::new().ca_certificate(Certificate::from_pem(read(ca)?)));
+        }
+        match (&self.etcd_cert, &self.etcd_key) {
+            (Some(cert), Some(key)) => {
+                let identity = Identity::from_pem(read(cert)?, read(key)?);
+                tls = Some(tls.unwrap_or_default().identity(identity));
+            }
+            (None, None) => {}
+            (Some(_), None) => return Err(TlsError::Incomplete { given: "--etcd-cert", missing: "--etcd-key" }),
+            (None, Some(_)) => return Err(TlsError::Incomplete { given: "--etcd-key", missing: "--etcd-cert" }),
+        }
+        if let Some(tls) = tls {
+            options = options.with_tls(tls);
+        }
+        match (&self.etcd_user, &self.etcd_password_file) {
+            (Some(user), Some(file)) => {
+                let password = String::from_utf8_lossy(&read(file)?).trim_end_matches(['\r', '\n']).to_string();
+                options = options.with_user(user, password);
+            }
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(TlsError::Incomplete { given: "--etcd-user", missing: "--etcd-password-file" });
+            }
+            (None, Some(_)) => {
+                return Err(TlsError::Incomplete { given: "--etcd-password-file", missing: "--etcd-user" });
+            }
+        }
+        Ok(options)
+    }
+
+    /// Whether the etcd link is encrypted (for the start-up line).
+    pub fn encrypted(&self) -> bool {
+        self.etcd_ca.is_some() || self.etcd_cert.is_some()
+    }
+}
+
+/// TLS over each connection `incoming` yields (with whatever rides along, e.g. its address), with
+/// the configuration `config` gives when it arrives. Handshakes run side by side (a slow client
+/// holds up no other) and fail alone; accepting stops when the stream returned is dropped.
+fn accept_tls<I, S, A>(
+    config: impl Fn() -> Arc<ServerConfig> + Send + 'static,
+    incoming: I,
+) -> impl Stream<Item = (tokio_rustls::server::TlsStream<S>, A)>
+where
+    I: Stream<Item = std::io::Result<(S, A)>> + Send + 'static,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    A: Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        tokio::pin!(incoming);
+        loop {
+            let conn = tokio::select! {
+                c = incoming.next() => c,
+                _ = tx.closed() => return,
+            };
+            let (conn, along) = match conn {
+                None => return,
+                Some(Ok(conn)) => conn,
+                Some(Err(e)) => {
+                    // Out of file descriptors, say: do not spin on it.
+                    tracing::debug!("accepting a connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            let acceptor = tokio_rustls::TlsAcceptor::from(config());
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                match tokio::time::timeout(HANDSHAKE_LIMIT, acceptor.accept(conn)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = tx.send((stream, along)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!("TLS handshake refused: {e}"),
+                    Err(_) => tracing::debug!("TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read { path: path.to_path_buf(), source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_flags_go_together_and_name_what_is_missing() {
+        assert!(TlsArgs::default().load().unwrap().is_none());
+        let partial = TlsArgs { ca: Some("/ca.pem".into()), ..Default::default() };
+        let e = partial.load().unwrap_err().to_string();
+        assert!(e.contains("--tls-cert"), "{e}");
+        let unreadable = TlsArgs {
+            ca: Some("/nonexistent/ca.pem".into()),
+            cert: Some("/nonexistent/c.pem".into()),
+            key: Some("/nonexistent/k.pem".into()),
+        };
+        assert!(unreadable.load().unwrap_err().to_string().contains("/nonexistent/ca.pem"));
+        let user_only = EtcdAuthArgs { etcd_user: Some("root".into()), ..Default::default() };
+        assert!(user_only.connect_options().unwrap_err().to_string().contains("--etcd-password-file"));
+        assert!(EtcdAuthArgs::default().connect_options().is_ok());
+    }
+}
