@@ -106,13 +106,13 @@ fn build(files: &[PathBuf], bytes: &[Vec<u8>]) -> Result<Configs, TlsError> {
 }
 
 impl ClusterTls {
-    /// Take changed files every `every` (see [`super::reload`]).
+    /// Take changed files every `every` (see the `tls` module docs).
     pub fn spawn_reloader(&self, every: Duration) {
         self.0.spawn_reloader(every);
     }
 
     /// A worker's connections: TLS over each accepted one, with the certificates current when
-    /// it arrived (see [`super::accept_tls`]).
+    /// it arrived; handshakes run side by side and fail alone.
     pub fn accept<I, S>(
         &self,
         incoming: I,

@@ -4,7 +4,7 @@
 //! setting means. Without the flags every link is plaintext, as on a laptop (`scripts/run.sh`);
 //! each process says so at start.
 //!
-//! Certificate files are re-read when they change ([`reload`]): each new connection uses the set
+//! Certificate files are re-read when they change (`reload.rs`): each new connection uses the set
 //! current when it is made, and connections already open keep theirs, so a rotation drops no
 //! stream. etcd's TLS settings are read at start only.
 
