@@ -145,16 +145,18 @@ impl QueueGauges {
         for (name, help, family) in families {
             r.register(format!("cluster_{name}"), help, family.clone());
         }
-        r.register(
-            "cluster_waiting_requests_by_priority",
-            "Requests waiting at the model's placeable workers, by priority class, as the workers last reported them",
-            self.waiting_requests_by_priority.clone(),
-        );
-        r.register(
-            "cluster_waiting_tokens_by_priority",
-            "Prompt tokens still to prefill of those requests, by priority class, as the workers last reported them",
-            self.waiting_tokens_by_priority.clone(),
-        );
+        let by_priority = [
+            (
+                "waiting_requests",
+                "Requests waiting at the model's placeable workers",
+                &self.waiting_requests_by_priority,
+            ),
+            ("waiting_tokens", "Prompt tokens still to prefill of those requests", &self.waiting_tokens_by_priority),
+        ];
+        for (name, help, family) in by_priority {
+            let help = format!("{help}, by priority class, as the workers last reported them");
+            r.register(format!("cluster_{name}_by_priority"), help, family.clone());
+        }
         r.register(
             "cluster_prefill_tokens_per_second",
             "Recent prefill rate of the model's placeable workers, summed: how fast the waiting tokens drain",

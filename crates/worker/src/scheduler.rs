@@ -608,13 +608,11 @@ impl Scheduler {
         if victims.is_empty() || victims.len() < slot_short || freeable < block_short {
             return false;
         }
-        let (mut freed_slots, mut freed_blocks) = (0, 0);
-        let mut taken = Vec::new();
+        let (mut taken, mut freed_blocks) = (Vec::new(), 0);
         for i in victims {
-            if !taken.is_empty() && freed_slots >= slot_short && freed_blocks >= block_short {
+            if !taken.is_empty() && taken.len() >= slot_short && freed_blocks >= block_short {
                 break;
             }
-            freed_slots += 1;
             freed_blocks += self.pool.freed_by(&self.running[i].blocks);
             taken.push(i);
         }

@@ -60,7 +60,7 @@ impl TlsArgs {
     }
 }
 
-fn invalid(path: &Path, e: impl std::fmt::Display) -> TlsError {
+pub(super) fn invalid(path: &Path, e: impl std::fmt::Display) -> TlsError {
     TlsError::Invalid { path: path.to_path_buf(), message: e.to_string() }
 }
 
@@ -128,7 +128,8 @@ impl ClusterTls {
     /// A router's connector to the worker that registered as `peer`: its certificate must chain
     /// to the CA and name `peer`.
     pub fn connector(&self, peer: &str) -> Result<TlsConnector, TlsError> {
-        let name = ServerName::try_from(peer.to_string()).map_err(|e| invalid(Path::new(peer), e))?;
+        let name = ServerName::try_from(peer.to_string())
+            .map_err(|e| TlsError::PeerName { peer: peer.to_string(), message: e.to_string() })?;
         Ok(TlsConnector { tls: self.clone(), peer: name })
     }
 }

@@ -10,7 +10,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::{
     HttpTlsArgs, TlsError, accept_tls,
-    cluster::{certificates, private_key},
+    cluster::{certificates, invalid, private_key},
     reload::Reloading,
 };
 
@@ -41,7 +41,7 @@ fn build(files: &[PathBuf], bytes: &[Vec<u8>]) -> Result<ServerConfig, TlsError>
     let mut config = ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
         .and_then(|b| b.with_no_client_auth().with_single_cert(chain, key))
-        .map_err(|e| TlsError::Invalid { path: files[0].clone(), message: e.to_string() })?;
+        .map_err(|e| invalid(&files[0], e))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(config)
 }

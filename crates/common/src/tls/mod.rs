@@ -88,6 +88,9 @@ pub enum TlsError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("{}: {message}", path.display())]
     Invalid { path: PathBuf, message: String },
+    /// A worker's name that cannot be a certificate's name (not a DNS name or an IP address).
+    #[error("{peer:?} cannot name a TLS peer: {message}")]
+    PeerName { peer: String, message: String },
 }
 
 impl EtcdAuthArgs {

@@ -283,16 +283,17 @@ impl<T> Classes<T> {
     fn dispatch(&mut self, room: usize, reserve: &[usize; 3], mut grant: impl FnMut(T) -> bool) {
         let mut granted = 0;
         loop {
-            let eligible: Vec<usize> =
-                (0..3).filter(|&c| !self.classes[c].is_empty() && room > granted + reserve[c]).collect();
-            if eligible.is_empty() {
+            let eligible: [bool; 3] =
+                std::array::from_fn(|c| !self.classes[c].is_empty() && room > granted + reserve[c]);
+            let classes = || (0..3).filter(|&c| eligible[c]);
+            if !eligible.contains(&true) {
                 break;
             }
-            let total: i64 = eligible.iter().map(|&c| CLASS_WEIGHTS[c]).sum();
-            for &c in &eligible {
+            for c in classes() {
                 self.credit[c] += CLASS_WEIGHTS[c];
             }
-            let pick = *eligible.iter().max_by_key(|&&c| (self.credit[c], std::cmp::Reverse(c))).expect("eligible");
+            let pick = classes().max_by_key(|&c| (self.credit[c], std::cmp::Reverse(c))).expect("a class is eligible");
+            let total: i64 = classes().map(|c| CLASS_WEIGHTS[c]).sum();
             self.credit[pick] -= total;
             self.classes[pick].dispatch(1, |item| {
                 let took = grant(item);
