@@ -321,7 +321,7 @@ impl std::ops::DerefMut for Worker {
 impl Worker {
     /// Start a worker from `bin` on a free loopback port, and wait until it is SERVING.
     pub async fn start_bin<S: AsRef<str>>(bin: PathBuf, args: &[S]) -> Worker {
-        Worker::start_with(bin, args, &[], None).await
+        Worker::start_with(bin, args, &[], None, None).await
     }
 
     /// Start a worker (the workspace's `bellows-worker`) and wait until it is SERVING.
@@ -335,7 +335,7 @@ impl Worker {
 
     /// Start a worker with extra environment variables, and wait until it is SERVING.
     pub async fn start_env<S: AsRef<str>>(args: &[S], env: &[(&str, &str)]) -> Worker {
-        Worker::start_with(binary("bellows-worker"), args, env, None).await
+        Worker::start_with(binary("bellows-worker"), args, env, None, None).await
     }
 
     async fn start_with<S: AsRef<str>>(
@@ -343,9 +343,10 @@ impl Worker {
         args: &[S],
         env: &[(&str, &str)],
         tls: Option<ClientTlsConfig>,
+        advertise_host: Option<&str>,
     ) -> Worker {
         for attempt in 1..=START_ATTEMPTS {
-            let mut w = Worker::spawn_env(bin.clone(), args, env);
+            let mut w = Worker::spawn_as(bin.clone(), args, env, advertise_host);
             w.1 = tls.clone();
             if w.serving_or_lost_port().await {
                 return w;
@@ -356,15 +357,34 @@ impl Worker {
     }
 
     fn spawn_env<S: AsRef<str>>(bin: PathBuf, args: &[S], env: &[(&str, &str)]) -> Worker {
-        let addr = format!("127.0.0.1:{}", free_port());
+        Worker::spawn_as(bin, args, env, None)
+    }
+
+    /// Spawn on a free loopback port, registering its address under `advertise_host` if given.
+    fn spawn_as<S: AsRef<str>>(
+        bin: PathBuf,
+        args: &[S],
+        env: &[(&str, &str)],
+        advertise_host: Option<&str>,
+    ) -> Worker {
+        let port = free_port();
+        let addr = format!("127.0.0.1:{port}");
         let mut all = vec!["serve".to_string(), "--listen".into(), addr.clone()];
+        if let Some(host) = advertise_host {
+            all.extend(["--advertise-address".into(), format!("{host}:{port}")]);
+        }
         all.extend(args.iter().map(|a| a.as_ref().to_string()));
         Worker(Process::spawn("worker", bin, all, addr, env), None)
     }
 
     /// Start a worker that serves TLS; the test's own calls to it (health, load) use `tls`.
     pub async fn start_tls<S: AsRef<str>>(args: &[S], tls: ClientTlsConfig) -> Worker {
-        Worker::start_with(binary("bellows-worker"), args, &[], Some(tls)).await
+        Worker::start_with(binary("bellows-worker"), args, &[], Some(tls), None).await
+    }
+
+    /// [`Worker::start_tls`], registering its address as `host:<port>`.
+    pub async fn start_tls_advertising<S: AsRef<str>>(args: &[S], tls: ClientTlsConfig, host: &str) -> Worker {
+        Worker::start_with(binary("bellows-worker"), args, &[], Some(tls), Some(host)).await
     }
 
     /// A channel to the worker, over TLS when it serves TLS.

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use bellows_integration::{
-    Etcd, Router, Worker, eventually,
+    Etcd, Router, Worker, eventually, free_port,
     pki::{Issued, Pki},
     sim,
 };
@@ -73,6 +73,65 @@ async fn over_mutual_tls_requests_complete_and_workers_that_fail_verification_ge
     assert_eq!(rogue.log().matches("request finished").count(), 0, "the rogue worker was sent a request");
     assert_eq!(impostor.log().matches("request finished").count(), 0, "the impostor was sent a request");
     assert_eq!(router.metric("bellows_router_placeable_workers").await, 1.0);
+}
+
+#[tokio::test]
+async fn a_certificate_naming_the_registered_host_serves_for_any_node_id_there() {
+    // As in the Helm chart: one certificate for `*.<headless service>` serves every worker pod,
+    // whose node ids it does not list.
+    let cluster = Pki::new("cluster");
+    let etcd = Etcd::start_tls(&cluster).await;
+    let worker_args = |node: &str, named: &str| {
+        let mut args = sim("{}");
+        args.extend(["--etcd-endpoints".into(), etcd.endpoint(), "--node-id".into(), node.into()]);
+        args.extend(etcd.tls().unwrap().flags());
+        args.extend(cluster.flags(&cluster.issue(node, &[named])));
+        args
+    };
+    let harness = cluster.issue("harness", &["harness"]);
+    let by_host = Worker::start_tls_advertising(
+        &worker_args("worker-7", "localhost"),
+        cluster.client("localhost", Some(&harness)),
+        "localhost",
+    )
+    .await;
+    // Registered at 127.0.0.1 as "worker-8": its certificate names neither.
+    let neither = tls_worker(&etcd, &cluster, "worker-8", "localhost").await;
+    let mut args = vec!["--etcd-endpoints".to_string(), etcd.endpoint()];
+    args.extend(etcd.tls().unwrap().flags());
+    args.extend(cluster.flags(&cluster.issue("router", &["router"])));
+    let router = Router::start(&args).await;
+
+    eventually("two workers joined, the one named by its host placeable", Duration::from_secs(20), || async {
+        let joined = router.metric("bellows_router_workers").await;
+        let placeable = router.metric("bellows_router_placeable_workers").await;
+        let refused = router.metric("bellows_router_worker_tls_failures_total").await;
+        (joined == 2.0 && placeable == 1.0 && refused >= 1.0).then_some(())
+    })
+    .await;
+    for i in 0..4 {
+        let body = json!({"model": "sim", "prompt": [5, i], "max_tokens": 3, "stream": i % 2 == 0});
+        let (status, body) = post(&router, "/v1/completions", body).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(by_host.log().matches("request finished").count(), 4);
+    assert_eq!(neither.log().matches("request finished").count(), 0, "a certificate for another host was trusted");
+}
+
+#[tokio::test]
+async fn under_mutual_tls_readiness_is_served_in_plaintext_on_the_metrics_port() {
+    // Kubelet's probes present no client certificate: the plaintext metrics port answers them.
+    let cluster = Pki::new("cluster");
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = sim("{}");
+    args.extend(["--metrics-listen".to_string(), metrics.clone()]);
+    args.extend(cluster.flags(&cluster.issue("worker", &["127.0.0.1"])));
+    let harness = cluster.issue("harness", &["harness"]);
+    let worker = Worker::start_tls(&args, cluster.client("127.0.0.1", Some(&harness))).await;
+    let ready = reqwest::get(format!("http://{metrics}/ready")).await.unwrap();
+    assert_eq!(ready.status().as_u16(), 200);
+    assert_eq!(ready.text().await.unwrap(), "serving\n");
+    assert!(!can_watch(&worker, None).await, "the gRPC port served plaintext");
 }
 
 /// WatchLoad on `worker` with this TLS client (`None`: plaintext): whether it answered.

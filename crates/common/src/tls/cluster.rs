@@ -2,8 +2,9 @@
 //!
 //! One CA signs every certificate. A worker serves only clients whose certificate chains to it (a
 //! router); a router links only to workers whose certificate does *and* names the worker as it
-//! registered (its node id as a DNS name), so a process that can write to etcd but holds no
-//! certificate for that name is never sent a request.
+//! registered: its node id, or the host of the address it registered (so one certificate for
+//! `*.<headless service>` serves a whole StatefulSet). A process that can write to etcd but holds
+//! no certificate for either name is never sent a request.
 
 use std::{
     future::Future,
@@ -17,8 +18,13 @@ use std::{
 use futures_util::{Stream, StreamExt};
 use hyper_util::rt::TokioIo;
 use rustls::{
-    ClientConfig, RootCertStore, ServerConfig,
-    pki_types::{CertificateDer, PrivateKeyDer, ServerName, pem::PemObject},
+    CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme,
+    client::{
+        WebPkiServerVerifier,
+        danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
+    },
+    crypto::CryptoProvider,
+    pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime, pem::PemObject},
     server::WebPkiClientVerifier,
 };
 use tokio::{
@@ -37,7 +43,83 @@ pub struct ClusterTls(Arc<Reloading<Configs>>);
 /// Both ends' configurations, from one generation of the files.
 struct Configs {
     server: Arc<ServerConfig>,
-    client: Arc<ClientConfig>,
+    client: ClientParts,
+}
+
+/// What a router's client configuration is made of; each link makes its own, checking the names
+/// its worker registered ([`AnyOfNames`]).
+struct ClientParts {
+    provider: Arc<CryptoProvider>,
+    webpki: Arc<WebPkiServerVerifier>,
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+}
+
+impl ClientParts {
+    fn config(&self, names: &[ServerName<'static>]) -> Result<ClientConfig, rustls::Error> {
+        let verifier = Arc::new(AnyOfNames { webpki: self.webpki.clone(), names: names.to_vec() });
+        let mut config = ClientConfig::builder_with_provider(self.provider.clone())
+            .with_safe_default_protocol_versions()?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
+            .with_client_auth_cert(self.chain.clone(), self.key.clone_key())?;
+        // gRPC is HTTP/2, and says so in the handshake.
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(config)
+    }
+}
+
+/// The CA's verdict on a worker's certificate, which passes if it names any of `names`.
+#[derive(Debug)]
+struct AnyOfNames {
+    webpki: Arc<WebPkiServerVerifier>,
+    names: Vec<ServerName<'static>>,
+}
+
+impl ServerCertVerifier for AnyOfNames {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _sent_as_sni: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let mut mismatch = rustls::Error::InvalidCertificate(CertificateError::NotValidForName);
+        for name in &self.names {
+            match self.webpki.verify_server_cert(end_entity, intermediates, name, ocsp_response, now) {
+                Err(
+                    e @ rustls::Error::InvalidCertificate(
+                        CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+                    ),
+                ) => mismatch = e,
+                verdict => return verdict,
+            }
+        }
+        Err(mismatch)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.webpki.supported_verify_schemes()
+    }
 }
 
 impl std::fmt::Debug for ClusterTls {
@@ -95,14 +177,14 @@ fn build(files: &[PathBuf], bytes: &[Vec<u8>]) -> Result<Configs, TlsError> {
         .with_safe_default_protocol_versions()
         .and_then(|b| b.with_client_cert_verifier(verifier).with_single_cert(chain.clone(), key.clone_key()))
         .map_err(|e| invalid(cert_file, e))?;
-    let mut client = ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .and_then(|b| b.with_root_certificates(roots).with_client_auth_cert(chain, key))
-        .map_err(|e| invalid(cert_file, e))?;
-    // gRPC is HTTP/2, and says so in the handshake.
     server.alpn_protocols = vec![b"h2".to_vec()];
-    client.alpn_protocols = vec![b"h2".to_vec()];
-    Ok(Configs { server: Arc::new(server), client: Arc::new(client) })
+    let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
+        .build()
+        .map_err(|e| invalid(ca_file, e))?;
+    let client = ClientParts { provider, webpki, chain, key };
+    // A key that does not sign for its certificate fails here, at load, not at the first link.
+    client.config(&[]).map_err(|e| invalid(cert_file, e))?;
+    Ok(Configs { server: Arc::new(server), client })
 }
 
 impl ClusterTls {
@@ -125,12 +207,16 @@ impl ClusterTls {
         accept_tls(move || tls.get().server.clone(), incoming.map(|c| c.map(|s| (s, ())))).map(|(s, ())| Ok(s))
     }
 
-    /// A router's connector to the worker that registered as `peer`: its certificate must chain
-    /// to the CA and name `peer`.
-    pub fn connector(&self, peer: &str) -> Result<TlsConnector, TlsError> {
-        let name = ServerName::try_from(peer.to_string())
-            .map_err(|e| TlsError::PeerName { peer: peer.to_string(), message: e.to_string() })?;
-        Ok(TlsConnector { tls: self.clone(), peer: name })
+    /// A router's connector to a worker whose certificate must chain to the CA and name one of
+    /// `names` (the first is sent as SNI). A name that cannot be a certificate's (not a DNS name
+    /// or an IP address) is left out; none left is an error.
+    pub fn connector(&self, names: &[&str]) -> Result<TlsConnector, TlsError> {
+        let valid: Vec<_> = names.iter().filter_map(|n| ServerName::try_from(n.to_string()).ok()).collect();
+        if valid.is_empty() {
+            let message = "neither a DNS name nor an IP address".to_string();
+            return Err(TlsError::PeerName { peer: names.join(" or "), message });
+        }
+        Ok(TlsConnector { tls: self.clone(), names: valid.into() })
     }
 }
 
@@ -139,7 +225,7 @@ impl ClusterTls {
 #[derive(Clone)]
 pub struct TlsConnector {
     tls: ClusterTls,
-    peer: ServerName<'static>,
+    names: Arc<[ServerName<'static>]>,
 }
 
 type Connecting =
@@ -155,8 +241,10 @@ impl tower_service::Service<Uri> for TlsConnector {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let (config, peer) = (self.tls.0.get().client.clone(), self.peer.clone());
+        let config = self.tls.0.get().client.config(&self.names).map_err(std::io::Error::other);
+        let peer = self.names[0].clone();
         Box::pin(async move {
+            let config = Arc::new(config?);
             let host = uri.host().unwrap_or_default().trim_matches(['[', ']']).to_string();
             let tcp = TcpStream::connect((host.as_str(), uri.port_u16().unwrap_or(443))).await?;
             // Deltas are small writes (see the worker's own TCP_NODELAY).

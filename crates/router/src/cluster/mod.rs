@@ -81,7 +81,7 @@ impl Cluster {
             return;
         }
         let id = WorkerId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let tls = match self.tls.as_ref().map(|t| t.connector(&expected_name(node_id, address))).transpose() {
+        let tls = match self.tls.as_ref().map(|t| t.connector(&expected_names(node_id, address))).transpose() {
             Ok(tls) => tls,
             Err(e) => {
                 tracing::error!(worker = node_id, address, "cannot check this worker's certificate: {e}");
@@ -245,11 +245,13 @@ impl Cluster {
     }
 }
 
-/// The name a worker's certificate must carry: the node id it registered under, or for a
-/// `--workers` entry (no registration) the host it was given as.
-fn expected_name(node_id: &str, address: &str) -> String {
+/// The names a worker's certificate may carry, one of them: the node id it registered under or
+/// the host of the address it registered; for a `--workers` entry (no registration), the host
+/// it was given as.
+fn expected_names<'a>(node_id: &'a str, address: &'a str) -> Vec<&'a str> {
+    let host = address.rsplit_once(':').map_or(address, |(host, _)| host).trim_matches(['[', ']']);
     match node_id.strip_prefix(discovery::STATIC_PREFIX) {
-        Some(_) => address.rsplit_once(':').map_or(address, |(host, _)| host).to_string(),
-        None => node_id.to_string(),
+        Some(_) => vec![host],
+        None => vec![node_id, host],
     }
 }

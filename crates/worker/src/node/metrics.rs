@@ -1,6 +1,8 @@
 //! The node's Prometheus metrics: `GET /metrics` (OpenMetrics text) on a port of its own
 //! (`--metrics-listen`), apart from the gRPC port so scrapers need no HTTP/2 and a scrape can
-//! never queue behind model traffic.
+//! never queue behind model traffic. The same plaintext port answers `GET /ready` (200 while
+//! serving, 503 while loading or draining: the gRPC health's verdict), for probes that cannot
+//! present the client certificate the gRPC port asks for under mutual TLS.
 //!
 //! Nothing is counted here twice: the engine already keeps its counters and gauges in
 //! [`Stats`](crate::stats::Stats) (the same numbers feed the routers' load reports), and each
@@ -22,7 +24,13 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
+use axum::{
+    Router,
+    extract::State,
+    http::{StatusCode, header},
+    response::IntoResponse,
+    routing::get,
+};
 use bellows_proto::worker::v1::{self as pb, worker_server::Worker};
 use prometheus_client::{
     collector::Collector,
@@ -34,6 +42,7 @@ use tokio::task::JoinHandle;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::{
+    drain::{Lifecycle, Phase},
     grpc::{GenerateStream, WorkerService},
     load_report::LoadStream,
     session::SessionStream,
@@ -238,12 +247,16 @@ fn encode_snapshot(enc: &mut DescriptorEncoder, s: &StatsSnapshot, refused: [u64
     histogram(m, &h.batch_sequences)
 }
 
-/// Bind the metrics port and serve `/metrics` until the returned task is aborted.
+/// Bind the metrics port and serve `/metrics` and `/ready` until the returned task is aborted.
 ///
 /// An address given explicitly (flag or environment) that cannot be bound is an error, like the
 /// gRPC port. The default one is not: several nodes on one host (tests, benchmarks) would all
 /// want 9091, and the node then serves without metrics, saying so.
-pub async fn serve(listen: Option<SocketAddr>, metrics: Arc<NodeMetrics>) -> Result<Option<JoinHandle<()>>> {
+pub async fn serve(
+    listen: Option<SocketAddr>,
+    metrics: Arc<NodeMetrics>,
+    lifecycle: Arc<Lifecycle>,
+) -> Result<Option<JoinHandle<()>>> {
     let addr: SocketAddr = match listen {
         Some(a) => a,
         None => DEFAULT_LISTEN.parse().expect("a valid default"),
@@ -258,13 +271,25 @@ pub async fn serve(listen: Option<SocketAddr>, metrics: Arc<NodeMetrics>) -> Res
     };
     let local = listener.local_addr()?;
     let registry = Arc::new(metrics.registry());
-    let app = Router::new().route("/metrics", get(scrape)).with_state(registry);
-    tracing::info!(address = %local, "metrics listening (GET /metrics)");
+    let app = Router::new()
+        .route("/metrics", get(scrape))
+        .with_state(registry)
+        .route("/ready", get(ready))
+        .with_state(lifecycle);
+    tracing::info!(address = %local, "metrics listening (GET /metrics, GET /ready)");
     Ok(Some(tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "the metrics server failed");
         }
     })))
+}
+
+async fn ready(State(lifecycle): State<Arc<Lifecycle>>) -> (StatusCode, &'static str) {
+    match lifecycle.phase() {
+        Phase::Serving => (StatusCode::OK, "serving\n"),
+        Phase::Loading => (StatusCode::SERVICE_UNAVAILABLE, "loading the model\n"),
+        Phase::Draining | Phase::Closed => (StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
+    }
 }
 
 async fn scrape(State(registry): State<Arc<Registry>>) -> impl IntoResponse {
@@ -364,5 +389,19 @@ mod tests {
         assert!(empty.contains("bellows_worker_requests_total{outcome=\"refused\"} 1"), "{empty}");
         assert!(empty.contains("bellows_worker_refusals_total{reason=\"busy\"} 1"), "{empty}");
         assert!(empty.contains("bellows_worker_batch_tokens_count 0"), "{empty}");
+    }
+
+    #[tokio::test]
+    async fn ready_is_ok_only_while_serving() {
+        let lifecycle = Lifecycle::new();
+        let status = |l: &Arc<Lifecycle>| {
+            let l = l.clone();
+            async move { ready(State(l)).await.0 }
+        };
+        assert_eq!(status(&lifecycle).await, StatusCode::SERVICE_UNAVAILABLE, "while loading");
+        lifecycle.advance(Phase::Serving);
+        assert_eq!(status(&lifecycle).await, StatusCode::OK);
+        lifecycle.advance(Phase::Draining);
+        assert_eq!(status(&lifecycle).await, StatusCode::SERVICE_UNAVAILABLE, "while draining");
     }
 }

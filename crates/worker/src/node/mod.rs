@@ -109,7 +109,10 @@ pub(crate) async fn serve_node(
     set_health(&health, ServingStatus::NotServing).await;
     let service = WorkerService::new(node_id.clone(), lifecycle.clone(), args.log_prompts, args.protocol_version);
     let node_metrics = NodeMetrics::new();
-    let metrics_server = if metrics { metrics::serve(args.metrics_listen, node_metrics.clone()).await? } else { None };
+    let metrics_server = match metrics {
+        true => metrics::serve(args.metrics_listen, node_metrics.clone(), lifecycle.clone()).await?,
+        false => None,
+    };
     let server = {
         let closed = lifecycle.clone();
         let counted = Counted { inner: service.clone(), metrics: node_metrics.clone() };
@@ -165,6 +168,9 @@ pub(crate) async fn serve_node(
     set_health(&health, ServingStatus::Serving).await;
 
     let endpoints = args.etcd_endpoints();
+    if !endpoints.is_empty() && !args.etcd_auth.encrypted() && metrics {
+        tracing::warn!("the link to etcd is plaintext (set --etcd-ca, and --etcd-cert/--etcd-key for client auth)");
+    }
     let registration = (!endpoints.is_empty()).then(|| {
         let config = RegistrationConfig { endpoints, options: etcd_options, key, record, ttl: args.lease_ttl };
         Registration::spawn(config)
