@@ -99,7 +99,7 @@ fn follow_etcd(args: &RouterArgs, port: u16, cluster: &Arc<Cluster>, tenants: &A
     if etcd.is_empty() {
         return Ok(());
     }
-    let options = args.etcd_auth.connect_options()?;
+    let options = args.etcd_auth.options()?;
     if !args.etcd_auth.encrypted() {
         tracing::warn!("the link to etcd is plaintext (set --etcd-ca, and --etcd-cert/--etcd-key for client auth)");
     }

@@ -361,12 +361,7 @@ impl Worker {
     }
 
     /// Spawn on a free loopback port, registering its address under `advertise_host` if given.
-    fn spawn_as<S: AsRef<str>>(
-        bin: PathBuf,
-        args: &[S],
-        env: &[(&str, &str)],
-        advertise_host: Option<&str>,
-    ) -> Worker {
+    fn spawn_as<S: AsRef<str>>(bin: PathBuf, args: &[S], env: &[(&str, &str)], advertise_host: Option<&str>) -> Worker {
         let port = free_port();
         let addr = format!("127.0.0.1:{port}");
         let mut all = vec!["serve".to_string(), "--listen".into(), addr.clone()];

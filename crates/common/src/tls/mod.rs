@@ -6,7 +6,8 @@
 //!
 //! Certificate files are re-read when they change (`reload.rs`): each new connection uses the set
 //! current when it is made, and connections already open keep theirs, so a rotation drops no
-//! stream. etcd's TLS settings are read at start only.
+//! stream. etcd's TLS and password files are re-read at each (re)connection to etcd
+//! ([`EtcdOptions`]): a renewed client certificate is used from the next connection on.
 
 pub mod cluster;
 pub mod http;
@@ -14,7 +15,10 @@ mod reload;
 
 use std::{
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -133,6 +137,50 @@ impl EtcdAuthArgs {
     pub fn encrypted(&self) -> bool {
         self.etcd_ca.is_some() || self.etcd_cert.is_some()
     }
+
+    /// The options, checked now (a bad set is an error at start) and re-read at each connection.
+    pub fn options(&self) -> Result<EtcdOptions, TlsError> {
+        let first = self.connect_options()?;
+        Ok(EtcdOptions(Arc::new(EtcdFiles {
+            args: self.clone(),
+            last_good: Mutex::new(first),
+            warned: AtomicBool::new(false),
+        })))
+    }
+}
+
+/// etcd's connection options, read from their files each time a client connects, so that a
+/// renewed client certificate or a changed password (a rotated Secret) is used from the next
+/// connection on without a restart. A set that does not load (half written) is logged once and
+/// the last good one is used.
+#[derive(Clone, Debug)]
+pub struct EtcdOptions(Arc<EtcdFiles>);
+
+#[derive(Debug)]
+struct EtcdFiles {
+    args: EtcdAuthArgs,
+    last_good: Mutex<ConnectOptions>,
+    warned: AtomicBool,
+}
+
+impl EtcdOptions {
+    /// The options for a connection made now.
+    pub fn current(&self) -> ConnectOptions {
+        let files = &self.0;
+        match files.args.connect_options() {
+            Ok(options) => {
+                files.warned.store(false, Ordering::Relaxed);
+                *files.last_good.lock().expect("etcd options lock") = options.clone();
+                options
+            }
+            Err(e) => {
+                if !files.warned.swap(true, Ordering::Relaxed) {
+                    tracing::warn!("etcd's TLS or password files do not load ({e}): connecting with the last good set");
+                }
+                files.last_good.lock().expect("etcd options lock").clone()
+            }
+        }
+    }
 }
 
 /// TLS over each connection `incoming` yields (with whatever rides along, e.g. its address), with
@@ -204,5 +252,23 @@ mod tests {
         let user_only = EtcdAuthArgs { etcd_user: Some("root".into()), ..Default::default() };
         assert!(user_only.connect_options().unwrap_err().to_string().contains("--etcd-password-file"));
         assert!(EtcdAuthArgs::default().connect_options().is_ok());
+    }
+
+    #[test]
+    fn etcd_files_are_read_again_at_each_connection_and_a_broken_set_keeps_the_last_good_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let password = dir.path().join("password");
+        std::fs::write(&password, "first-secret\n").unwrap();
+        let args = EtcdAuthArgs {
+            etcd_user: Some("bellows".into()),
+            etcd_password_file: Some(password.clone()),
+            ..Default::default()
+        };
+        let options = args.options().unwrap();
+        assert!(format!("{:?}", options.current()).contains("first-secret"));
+        std::fs::write(&password, "rotated-secret\n").unwrap();
+        assert!(format!("{:?}", options.current()).contains("rotated-secret"), "the rotated file was not read");
+        std::fs::remove_file(&password).unwrap();
+        assert!(format!("{:?}", options.current()).contains("rotated-secret"), "the last good set was not kept");
     }
 }

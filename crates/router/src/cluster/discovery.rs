@@ -8,7 +8,8 @@
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use bellows_common::cluster::{WorkerRecord, node_id_of, workers_prefix};
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, WatchOptions};
+use bellows_common::tls::EtcdOptions;
+use etcd_client::{Client, EventType, GetOptions, WatchOptions};
 
 use super::Cluster;
 
@@ -24,7 +25,7 @@ pub fn join_static(cluster: &Arc<Cluster>, addresses: &[String]) {
 }
 
 /// Follow the workers registered in etcd, forever.
-pub async fn follow_etcd(cluster: Arc<Cluster>, endpoints: Vec<String>, options: ConnectOptions, cluster_name: String) {
+pub async fn follow_etcd(cluster: Arc<Cluster>, endpoints: Vec<String>, options: EtcdOptions, cluster_name: String) {
     let prefix = match workers_prefix(&cluster_name) {
         Ok(p) => p,
         Err(e) => {
@@ -48,11 +49,11 @@ pub async fn follow_etcd(cluster: Arc<Cluster>, endpoints: Vec<String>, options:
 async fn watch_once(
     cluster: &Arc<Cluster>,
     endpoints: &[String],
-    options: &ConnectOptions,
+    options: &EtcdOptions,
     name: &str,
     prefix: &str,
 ) -> anyhow::Result<()> {
-    let mut client = Client::connect(endpoints, Some(options.clone())).await?;
+    let mut client = Client::connect(endpoints, Some(options.current())).await?;
     let listed = client.get(prefix, Some(GetOptions::new().with_prefix())).await?;
     let revision = listed.header().map(|h| h.revision()).unwrap_or(0);
     let mut members = HashMap::new();

@@ -8,7 +8,8 @@ use std::{collections::HashSet, time::Duration};
 
 pub use bellows_common::cluster::hostname;
 use bellows_common::cluster::{router_key, routers_prefix};
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use bellows_common::tls::EtcdOptions;
+use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
 
 /// Lease of a router's registration: a router that dies stops counting after this.
 const LEASE_TTL_SECS: i64 = 5;
@@ -17,7 +18,7 @@ const LEASE_TTL_SECS: i64 = 5;
 /// forever.
 pub async fn share_with_peers(
     endpoints: Vec<String>,
-    options: ConnectOptions,
+    options: EtcdOptions,
     cluster: String,
     id: String,
     on_count: impl Fn(usize),
@@ -34,14 +35,14 @@ pub async fn share_with_peers(
 
 async fn follow(
     endpoints: &[String],
-    options: &ConnectOptions,
+    options: &EtcdOptions,
     cluster: &str,
     id: &str,
     on_count: &impl Fn(usize),
 ) -> anyhow::Result<()> {
     let prefix = routers_prefix(cluster)?;
     let key = router_key(cluster, id)?;
-    let mut client = Client::connect(endpoints, Some(options.clone())).await?;
+    let mut client = Client::connect(endpoints, Some(options.current())).await?;
     let lease = client.lease_grant(LEASE_TTL_SECS, None).await?.id();
     client.put(key.as_str(), "{}", Some(PutOptions::new().with_lease(lease))).await?;
     let (mut keeper, mut alive) = client.lease_keep_alive(lease).await?;

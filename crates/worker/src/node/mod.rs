@@ -96,7 +96,7 @@ pub(crate) async fn serve_node(
     // Check the key before anything slow: a bad name is a configuration error.
     let key = worker_key(&args.cluster, &node_id)?;
     let tls = args.tls.load()?;
-    let etcd_options = args.etcd_auth.connect_options()?;
+    let etcd_options = args.etcd_auth.options()?;
     // Said once per process: a fleet's nodes (no `metrics`) share its flags.
     if tls.is_none() && metrics {
         tracing::warn!(

@@ -13,7 +13,8 @@
 use std::time::Duration;
 
 use bellows_common::cluster::WorkerRecord;
-use etcd_client::{Client, ConnectOptions, PutOptions};
+use bellows_common::tls::EtcdOptions;
+use etcd_client::{Client, PutOptions};
 use tokio::{sync::oneshot, task::JoinHandle, time::timeout};
 
 /// The longest one etcd call may take before the node treats etcd as unreachable.
@@ -24,8 +25,8 @@ const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::fro
 #[derive(Debug, Clone)]
 pub struct RegistrationConfig {
     pub endpoints: Vec<String>,
-    /// TLS and credentials for etcd.
-    pub options: ConnectOptions,
+    /// TLS and credentials for etcd, read again at each connection.
+    pub options: EtcdOptions,
     pub key: String,
     pub record: WorkerRecord,
     pub ttl: Duration,
@@ -117,7 +118,7 @@ async fn register_and_keep_alive(
     failures: &mut u32,
 ) -> anyhow::Result<std::convert::Infallible> {
     // A fresh client each time: after a failure the old connection may be dead for good.
-    let opts = cfg.options.clone().with_connect_timeout(CALL_TIMEOUT).with_timeout(CALL_TIMEOUT);
+    let opts = cfg.options.current().with_connect_timeout(CALL_TIMEOUT).with_timeout(CALL_TIMEOUT);
     let mut client = timeout(CALL_TIMEOUT, Client::connect(&cfg.endpoints, Some(opts))).await??;
     let lease = timeout(CALL_TIMEOUT, client.lease_grant(ttl_secs, None)).await??.id();
     timeout(CALL_TIMEOUT, client.put(cfg.key.as_str(), value, Some(PutOptions::new().with_lease(lease)))).await??;
