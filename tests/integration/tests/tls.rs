@@ -28,6 +28,27 @@ async fn tls_worker(etcd: &Etcd, pki: &Pki, node: &str, named: &str) -> Worker {
     Worker::start_tls(&args, pki.client(named, Some(&harness))).await
 }
 
+/// A router following `etcd`, with its certificate from `pki`.
+async fn tls_router(etcd: &Etcd, pki: &Pki) -> Router {
+    let mut args = vec!["--etcd-endpoints".to_string(), etcd.endpoint()];
+    args.extend(etcd.tls().unwrap().flags());
+    args.extend(pki.flags(&pki.issue("router", &["router"])));
+    Router::start(&args).await
+}
+
+/// Wait until `joined` workers are known, `placeable` of them placeable and every other one
+/// refused at least once for its certificate.
+async fn wait_verified(router: &Router, joined: usize, placeable: usize) {
+    let what = format!("{joined} workers joined, {placeable} placeable, the others refused");
+    eventually(&what, Duration::from_secs(20), || async {
+        let known = router.metric("bellows_router_workers").await as usize;
+        let ok = router.metric("bellows_router_placeable_workers").await as usize;
+        let refused = router.metric("bellows_router_worker_tls_failures_total").await as usize;
+        (known == joined && ok == placeable && refused >= joined - placeable).then_some(())
+    })
+    .await;
+}
+
 async fn post(router: &Router, path: &str, body: Value) -> (u16, String) {
     let r = reqwest::Client::new().post(router.url(path)).json(&body).send().await.unwrap();
     (r.status().as_u16(), r.text().await.unwrap())
@@ -43,18 +64,8 @@ async fn over_mutual_tls_requests_complete_and_workers_that_fail_verification_ge
     // but names another node than the one it registered as.
     let rogue = tls_worker(&etcd, &rogue_ca, "rogue", "rogue").await;
     let impostor = tls_worker(&etcd, &cluster, "impostor", "good").await;
-    let mut args = vec!["--etcd-endpoints".to_string(), etcd.endpoint()];
-    args.extend(etcd.tls().unwrap().flags());
-    args.extend(cluster.flags(&cluster.issue("router", &["router"])));
-    let router = Router::start(&args).await;
-
-    eventually("three workers joined, one placeable, the others refused", Duration::from_secs(20), || async {
-        let joined = router.metric("bellows_router_workers").await;
-        let placeable = router.metric("bellows_router_placeable_workers").await;
-        let refused = router.metric("bellows_router_worker_tls_failures_total").await;
-        (joined == 3.0 && placeable == 1.0 && refused >= 2.0).then_some(())
-    })
-    .await;
+    let router = tls_router(&etcd, &cluster).await;
+    wait_verified(&router, 3, 1).await;
     for i in 0..6 {
         let (status, body) = match i % 3 {
             0 => post(&router, "/v1/completions", json!({"model": "sim", "prompt": [1, 2, i], "max_tokens": 4})).await,
@@ -97,18 +108,8 @@ async fn a_certificate_naming_the_registered_host_serves_for_any_node_id_there()
     .await;
     // Registered at 127.0.0.1 as "worker-8": its certificate names neither.
     let neither = tls_worker(&etcd, &cluster, "worker-8", "localhost").await;
-    let mut args = vec!["--etcd-endpoints".to_string(), etcd.endpoint()];
-    args.extend(etcd.tls().unwrap().flags());
-    args.extend(cluster.flags(&cluster.issue("router", &["router"])));
-    let router = Router::start(&args).await;
-
-    eventually("two workers joined, the one named by its host placeable", Duration::from_secs(20), || async {
-        let joined = router.metric("bellows_router_workers").await;
-        let placeable = router.metric("bellows_router_placeable_workers").await;
-        let refused = router.metric("bellows_router_worker_tls_failures_total").await;
-        (joined == 2.0 && placeable == 1.0 && refused >= 1.0).then_some(())
-    })
-    .await;
+    let router = tls_router(&etcd, &cluster).await;
+    wait_verified(&router, 2, 1).await;
     for i in 0..4 {
         let body = json!({"model": "sim", "prompt": [5, i], "max_tokens": 3, "stream": i % 2 == 0});
         let (status, body) = post(&router, "/v1/completions", body).await;
