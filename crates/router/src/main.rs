@@ -1,6 +1,11 @@
 use bellows_router::args::RouterArgs;
 use clap::Parser;
 
+// A request allocates and frees many small buffers across threads (headers, JSON, frames):
+// mimalloc's thread-local free lists cost less per request than glibc's malloc.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> anyhow::Result<()> {
     let args = RouterArgs::parse();
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
