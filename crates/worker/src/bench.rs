@@ -34,7 +34,7 @@ use crate::{
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Which benchmarks: all, decode, batch, ttft, itl, constrained (comma-separated).
+    /// Which benchmarks: all, decode, batch, ttft, itl, constrained, matmul (comma-separated).
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// Tokens per stream for the decode benchmarks.
@@ -156,6 +156,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "model": ctx.model.path().file_name().map(|f| f.to_string_lossy().into_owned()),
         "requantize": !ctx.model.no_requantize,
         "repack": !ctx.model.no_repack,
+        "own_matmul": !ctx.model.candle_matmul,
         "threads": candle_core::utils::get_num_threads(),
     });
     if want("decode") {
@@ -177,6 +178,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if want("itl") {
         out["itl_during_long_prefill"] = bench_itl(&ctx, &a)?;
         eprintln!("itl: {}", out["itl_during_long_prefill"]);
+    }
+    if want("matmul") {
+        out["matmul"] = bench_matmul()?;
+        eprintln!("matmul: {}", out["matmul"]);
     }
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
@@ -448,4 +453,48 @@ fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
         eprintln!("  {name}: {}", out[name]);
     }
     Ok(Value::Object(out))
+}
+
+/// Our Q8_0 matmul against candle's on the default model's shapes (random weights; the two give
+/// bit-identical outputs): microseconds per call and GMAC/s, for 1 to 256 rows.
+fn bench_matmul() -> Result<Value> {
+    use candle_core::{
+        Device, Module, Tensor,
+        quantized::{GgmlDType, QMatMul, QTensor},
+    };
+
+    use crate::model::q8_matmul::{self, Q8Weights};
+    if !q8_matmul::available() {
+        return Ok(json!("no AVX2+FMA: our kernels do not run here"));
+    }
+    let time = |f: &dyn Fn() -> Result<()>, iters: usize| -> Result<f64> {
+        for _ in 0..3 {
+            f()?;
+        }
+        let start = Instant::now();
+        for _ in 0..iters {
+            f()?;
+        }
+        Ok(start.elapsed().as_secs_f64() / iters as f64)
+    };
+    let mut rows = Vec::new();
+    // Fused Q/K/V, fused gate/up, down, and the tied LM head.
+    for (n, k) in [(960, 576), (3072, 576), (576, 1536), (49152, 576)] {
+        let w = QTensor::quantize(&Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?, GgmlDType::Q8_0)?;
+        let ours = Q8Weights::from_qtensor(&w)?;
+        let candle = QMatMul::from_qtensor(w)?;
+        for m in [1usize, 4, 16, 64, 256] {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+            let iters = (200_000_000 / (m * k * n)).clamp(3, 2000);
+            let theirs = time(&|| candle.forward(&x).map(drop).map_err(Into::into), iters)?;
+            let own = time(&|| ours.forward(&x).map(drop), iters)?;
+            let gmac = |s: f64| (m * k * n) as f64 / s / 1e9;
+            rows.push(json!({
+                "n": n, "k": k, "rows": m,
+                "candle_us": theirs * 1e6, "ours_us": own * 1e6,
+                "candle_gmac_s": gmac(theirs), "ours_gmac_s": gmac(own), "speedup": theirs / own,
+            }));
+        }
+    }
+    Ok(Value::Array(rows))
 }

@@ -43,6 +43,10 @@ pub struct ModelArgs {
     /// quantization).
     #[arg(long, env = "BELLOWS_NO_REPACK")]
     pub no_repack: bool,
+    /// Run Q8_0 matmuls on candle's kernels instead of ours (bit-identical, slower; for
+    /// comparisons).
+    #[arg(long, env = "BELLOWS_CANDLE_MATMUL")]
+    pub candle_matmul: bool,
 }
 
 impl ModelArgs {
@@ -52,7 +56,12 @@ impl ModelArgs {
 
     /// Load weights and tokenizer as these flags say.
     pub fn load(&self, progress: bool) -> Result<(LlamaModel, ModelTokenizer)> {
-        let opts = LoadOptions { requantize: !self.no_requantize, repack: !self.no_repack, progress };
+        let opts = LoadOptions {
+            requantize: !self.no_requantize,
+            repack: !self.no_repack,
+            progress,
+            own_matmul: !self.candle_matmul,
+        };
         load_gguf(&self.path(), &opts, self.tokenizer_json.as_deref())
     }
 }

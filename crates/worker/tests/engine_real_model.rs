@@ -95,8 +95,10 @@ fn greedy_output_follows_llama_cpp_on_the_same_weights() {
     // agreement rather than all 32 tokens.
     let reference: Reference =
         serde_json::from_str(include_str!("fixtures/greedy_reference.json")).expect("fixture parses");
-    let (e, tok) =
-        engine_with(LoadOptions { requantize: false, repack: false, progress: false }, EngineConfig::default());
+    let (e, tok) = engine_with(
+        LoadOptions { requantize: false, repack: false, ..LoadOptions::default() },
+        EngineConfig::default(),
+    );
     for case in &reference.cases {
         assert_eq!(tok.encode(&case.prompt, false).unwrap(), case.prompt_ids, "tokenization of {:?}", case.prompt);
         let ours = run(&e.handle(), greedy(case.prompt_ids.clone(), case.greedy_ids.len() as u32)).tokens;

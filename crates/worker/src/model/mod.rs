@@ -7,6 +7,7 @@
 
 pub mod attention;
 pub mod llama;
+pub mod q8_matmul;
 pub mod sim;
 
 use crate::kv_cache::BlockId;
