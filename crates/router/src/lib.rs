@@ -25,11 +25,9 @@ use anyhow::Context;
 use axum::serve::ListenerExt;
 use bellows_common::{priority::Priority, tls::RELOAD_EVERY};
 
-use crate::api::tls_listener::TlsListener;
-
 use crate::{
     admission::Admission,
-    api::AppState,
+    api::{AppState, tls_listener::TlsListener},
     args::RouterArgs,
     cluster::Cluster,
     dispatch::Dispatcher,

@@ -99,7 +99,7 @@ pub enum TlsError {
 
 impl EtcdAuthArgs {
     /// The etcd client's options: TLS and credentials as given (none: plaintext, no auth).
-    pub fn connect_options(&self) -> Result<ConnectOptions, TlsError> {
+    fn connect_options(&self) -> Result<ConnectOptions, TlsError> {
         let mut options = ConnectOptions::new();
         let mut tls = None::<TlsOptions>;
         if let Some(ca) = &self.etcd_ca {
@@ -153,10 +153,16 @@ impl EtcdAuthArgs {
 /// renewed client certificate or a changed password (a rotated Secret) is used from the next
 /// connection on without a restart. A set that does not load (half written) is logged once and
 /// the last good one is used.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct EtcdOptions(Arc<EtcdFiles>);
 
-#[derive(Debug)]
+/// The files, never what they hold (a password).
+impl std::fmt::Debug for EtcdOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("EtcdOptions").field(&self.0.args).finish()
+    }
+}
+
 struct EtcdFiles {
     args: EtcdAuthArgs,
     last_good: Mutex<ConnectOptions>,

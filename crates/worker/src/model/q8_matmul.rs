@@ -97,8 +97,8 @@ impl Q8Weights {
         let rows = {
             let (storage, layout) = x.storage_and_layout();
             match (&*storage, layout.contiguous_offsets()) {
-                (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => Q8Rows::quantize(&v[start..end], k),
-                _ => Q8Rows::quantize(&x.flatten_all()?.to_vec1::<f32>()?, k),
+                (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => Q8Rows::quantize(&v[start..end]),
+                _ => Q8Rows::quantize(&x.flatten_all()?.to_vec1::<f32>()?),
             }
         };
         self.matmul(&rows, m, &mut out);
@@ -210,13 +210,13 @@ struct RowBlocks<'a> {
 }
 
 impl Q8Rows {
-    /// Each row of `xs` (rows of `k` values) to Q8_0, exactly as candle's `BlockQ8_0::from_float`
-    /// does (the scale rounded through f16, each quant `round(x / scale)`).
-    fn quantize(xs: &[f32], k: usize) -> Q8Rows {
+    /// Rows of values (each a whole number of blocks) to Q8_0, block by block, exactly as
+    /// candle's `BlockQ8_0::from_float` does (the scale rounded through f16, each quant
+    /// `round(x / scale)`).
+    fn quantize(xs: &[f32]) -> Q8Rows {
         let blocks = xs.len() / BLOCK;
         let mut quants = vec![[0i8; BLOCK]; blocks];
         let mut scales = vec![0f32; blocks];
-        debug_assert_eq!(xs.len() % k, 0);
         for ((chunk, q), s) in xs.chunks_exact(BLOCK).zip(&mut quants).zip(&mut scales) {
             let amax = chunk.iter().fold(0f32, |a, &x| a.max(x.abs()));
             let d = amax / 127.0;
