@@ -136,7 +136,16 @@ async fn a_repeated_prompt_reports_cached_tokens() {
     let body = json!({"model": "sim", "prompt": prompt, "max_tokens": 2});
     let (_, _, first) = router.post("/v1/completions", &body).await;
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    // The placement memory sends the repeat to the worker that holds the blocks.
+    // The placement memory sends the repeat to the worker that holds the blocks, once the router
+    // knows them and the workers' reports no longer count the first request (a holder whose
+    // queue looks longer than the prefill the cache saves is passed over).
+    eventually("the blocks known, the first request gone from the reports", Duration::from_secs(10), || async {
+        let known = router.metric("bellows_router_prefix_index_entries").await >= 6.0;
+        let waiting = router.metric("bellows_router_cluster_waiting_tokens").await;
+        let running = router.metric("bellows_router_cluster_running_requests").await;
+        (known && waiting == 0.0 && running == 0.0).then_some(())
+    })
+    .await;
     let (_, _, second) = router.post("/v1/completions", &body).await;
     assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 96, "six full 16-token blocks");
 }
