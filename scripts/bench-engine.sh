@@ -2,6 +2,8 @@
 # The engine benchmarks of docs/BENCHMARKS.md, side by side with llama.cpp in one run.
 # Run on a quiet machine (scripts/quiet.sh pauses background process groups you name). Prints JSON lines.
 #   usage: scripts/bench-engine.sh [RUNS]      (default 5 alternating single-stream runs each)
+# Environment: BELLOWS_BENCH_MODEL=gemma3 for Gemma 3 270M instead of the default model;
+# BELLOWS_BENCH_SUITES (default batch,ttft,itl) for the rest, ours only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs="${1:-5}"
@@ -21,4 +23,8 @@ print(json.dumps({"single_stream_decode_tok_s": {"bellows_median": statistics.me
     "llama_cpp_median": statistics.median(ref), "ratio": statistics.median(ours) / statistics.median(ref),
     "bellows_runs": ours, "llama_cpp_runs": ref}}))
 PY
-"$bin" bench --model "$model" --suite batch,ttft,itl 2>/dev/null | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))'
+# llama.cpp's prompt evaluation of about 1,000 tokens, against our cold 1,000-token TTFT (suite ttft).
+long="$(python3 -c 'print("The quick brown fox jumps over the lazy dog while the old man watches from the porch. " * 60, end="")')"
+.venv/bin/python scripts/reference/llama_cpp_bench.py --model "$model" --threads 2 --prompt "$long" --max-tokens 1 \
+    | python3 -c 'import json,sys; d=json.load(sys.stdin); print(json.dumps({"llama_cpp_prompt_eval": {k: d[k] for k in ("prompt_tokens", "prompt_eval_tok_s", "wall_s")}}))'
+"$bin" bench --model "$model" --suite "${BELLOWS_BENCH_SUITES:-batch,ttft,itl}" 2>/dev/null | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)))'

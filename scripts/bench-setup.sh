@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Shared set-up of the engine benchmarks that compare against llama.cpp (sourced, not run): builds
 # the worker, installs llama-cpp-python into .venv if missing, sets $model and $bin, and prints
-# the machine line that heads each result.
-model="$(scripts/fetch-model.sh)"
+# the machine line that heads each result. BELLOWS_BENCH_MODEL=gemma3 benchmarks Gemma 3 270M
+# instead of the default model.
+model="$(scripts/fetch-model.sh "${BELLOWS_BENCH_MODEL:-smollm2}")"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target}"
 cargo build --release -q -p bellows-worker
 bin="$CARGO_TARGET_DIR/release/bellows-worker"

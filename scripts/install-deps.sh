@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what a fresh Debian/Ubuntu machine lacks to build and test Bellows: protoc (gRPC code
-# generation), etcd (tests start their own), the default model, and the OpenAI Python client. Idempotent: does nothing that
+# generation), etcd (tests start their own), the models (the default and Gemma 3 for the second
+# model family), and the OpenAI Python client. Idempotent: does nothing that
 # is already done.
 set -euo pipefail
 need=()
@@ -12,7 +13,7 @@ if ((${#need[@]})); then
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-"$(dirname "$0")/fetch-model.sh" >/dev/null
+"$(dirname "$0")/fetch-model.sh" --all >/dev/null
 # The official OpenAI Python client, for the API conformance test (its own folder, not the system's).
 openai_dir="${BELLOWS_PY_OPENAI:-$HOME/.cache/bellows/py-openai}"
 if ! PYTHONPATH="$openai_dir" python3 -c 'import openai' 2>/dev/null; then

@@ -4,8 +4,9 @@
 # discovery, no etcd. Ctrl-C stops everything.
 #
 # Environment: BELLOWS_PORT (router port, default 8080), BELLOWS_WORKER_PORTS (default
-# "50051 50052"), BELLOWS_MODEL_ID (served name, default SmolLM2-135M-Instruct). Extra arguments
-# go to the router (e.g. --policy round_robin).
+# "50051 50052"), BELLOWS_MODEL (another GGUF, e.g. from `scripts/fetch-model.sh gemma3`),
+# BELLOWS_MODEL_ID (served name, default SmolLM2-135M-Instruct). Extra arguments go to the router
+# (e.g. --policy round_robin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh

@@ -56,9 +56,14 @@ CASES = [
     "trailing spaces   ",
     "line one\r\nline two\n\n\n",  # CRLF and a newline run at the end
     "Hello, world! How are you today?",
+    "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",  # Gemma's turn tokens
+    "<table><tr><td>1</td></tr></table>",  # Gemma: HTML tags are user-defined tokens
+    "\ue000 and \U0010fffd",  # private-use characters: SentencePiece falls back to bytes
+    "    four spaces\tand tabs\t\t\n\n\n",  # runs of spaces, tabs and newlines
+    "Ünïcödé ÀÉÎÕÜ ñ ß Ωμέγα Привет",  # accents, Greek, Cyrillic
 ]
 
-SPECIAL_MARKERS = ("<|", "|>")
+SPECIAL_MARKERS = ("<|", "|>", "<start_of_turn>", "<end_of_turn>")
 
 
 def sha256(path: Path) -> str:

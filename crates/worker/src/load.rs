@@ -21,10 +21,16 @@ pub fn default_model_path() -> PathBuf {
     if let Some(p) = std::env::var_os("BELLOWS_MODEL") {
         return PathBuf::from(p);
     }
+    cached_model_path(DEFAULT_MODEL_FILE)
+}
+
+/// Where `scripts/fetch-model.sh` puts a model file: `$BELLOWS_MODEL_DIR`, else
+/// `~/.cache/bellows/models`.
+pub fn cached_model_path(file: &str) -> PathBuf {
     let dir = std::env::var_os("BELLOWS_MODEL_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/bellows/models"));
-    dir.join(DEFAULT_MODEL_FILE)
+    dir.join(file)
 }
 
 /// The flags that choose and load a GGUF model, shared by every subcommand that loads one.

@@ -8,12 +8,12 @@
 //!
 //! The model file is required: run `scripts/fetch-model.sh` (the README's test command does).
 
-use std::{sync::Arc, time::Duration};
+use std::{path::Path, sync::Arc, time::Duration};
 
 use bellows_worker::{
     engine::{Engine, EngineConfig, EngineHandle, EventStream},
     kv_cache::BlockPool,
-    load::{default_model_path, load_gguf},
+    load::{cached_model_path, default_model_path, load_gguf},
     model::{Backend, BatchRow, llama::LoadOptions},
     request::{Event, FinishReason, GenerateRequest, Usage},
     sampling::SamplingParams,
@@ -87,31 +87,58 @@ struct RefCase {
     greedy_ids: Vec<u32>,
 }
 
+/// Greedy tokens from `path` against llama.cpp's in `fixture`: at least `min_agree` of each case's
+/// first tokens must be the same, and in all at least `min_share` of the tokens.
+fn assert_greedy_follows_llama_cpp(path: &Path, fixture: &str, opts: LoadOptions, min_agree: usize, min_share: f64) {
+    let reference: Reference = serde_json::from_str(fixture).expect("fixture parses");
+    assert!(path.exists(), "model {} is missing: run scripts/fetch-model.sh --all", path.display());
+    let (model, tok) = load_gguf(path, &opts, None).expect("model loads");
+    let tok = Arc::new(tok);
+    let e = Engine::start(Box::new(model), tok.clone(), EngineConfig::default()).expect("engine starts");
+    let (mut agreed, mut total) = (0, 0);
+    for case in &reference.cases {
+        assert_eq!(tok.encode(&case.prompt, true).unwrap(), case.prompt_ids, "tokenization of {:?}", case.prompt);
+        let ours = run(&e.handle(), greedy(case.prompt_ids.clone(), case.greedy_ids.len() as u32)).tokens;
+        let agree = ours.iter().zip(&case.greedy_ids).take_while(|(a, b)| a == b).count();
+        eprintln!("{:?}: {agree}/{} tokens agree", case.prompt, ours.len());
+        assert!(
+            agree >= min_agree,
+            "{:?}: only {agree} tokens agree with llama.cpp\n ours: {:?}\n ref:  {:?}",
+            case.prompt,
+            tok.decode(&ours),
+            tok.decode(&case.greedy_ids)
+        );
+        (agreed, total) = (agreed + agree, total + ours.len());
+    }
+    assert!(agreed as f64 >= min_share * total as f64, "only {agreed} of {total} tokens agree with llama.cpp");
+}
+
 #[test]
 fn greedy_output_follows_llama_cpp_on_the_same_weights() {
     // llama.cpp computes with the file's Q4_1 weights and Q8 activations in blocks of 32, so compare
     // without our Q8_0 re-quantization and repacking (either changes near-ties, as any change of
     // quantization does). Summation order still differs from llama.cpp's kernels, so require long
     // agreement rather than all 32 tokens.
-    let reference: Reference =
-        serde_json::from_str(include_str!("fixtures/greedy_reference.json")).expect("fixture parses");
-    let (e, tok) = engine_with(
-        LoadOptions { requantize: false, repack: false, ..LoadOptions::default() },
-        EngineConfig::default(),
+    let opts = LoadOptions { requantize: false, repack: false, ..LoadOptions::default() };
+    assert_greedy_follows_llama_cpp(
+        &default_model_path(),
+        include_str!("fixtures/greedy_reference.json"),
+        opts,
+        16,
+        0.5,
     );
-    for case in &reference.cases {
-        assert_eq!(tok.encode(&case.prompt, false).unwrap(), case.prompt_ids, "tokenization of {:?}", case.prompt);
-        let ours = run(&e.handle(), greedy(case.prompt_ids.clone(), case.greedy_ids.len() as u32)).tokens;
-        let agree = ours.iter().zip(&case.greedy_ids).take_while(|(a, b)| a == b).count();
-        eprintln!("{:?}: {agree}/{} tokens agree", case.prompt, ours.len());
-        assert!(
-            agree >= 16,
-            "{:?}: only {agree} tokens agree with llama.cpp\n ours: {:?}\n ref:  {:?}",
-            case.prompt,
-            tok.decode(&ours),
-            tok.decode(&case.greedy_ids)
-        );
-    }
+}
+
+#[test]
+fn gemma3_greedy_output_follows_llama_cpp_including_beyond_its_sliding_window() {
+    // Gemma 3 270M (Q4_K_M: Q5_0, Q8_0, Q4_K and Q6_K tensors), on the file's own quantization as
+    // above. The last prompt is 905 tokens long, its answer at the start: local layers see only
+    // the last 512 positions, so a wrong window changes its tokens. Measured: 4, 18, 32, 32 and 32
+    // of 32 tokens agree (the first two prompts part at near-ties, as different summation orders
+    // do).
+    let path = cached_model_path("gemma-3-270m-q4_k_m.gguf");
+    let opts = LoadOptions { requantize: false, repack: false, ..LoadOptions::default() };
+    assert_greedy_follows_llama_cpp(&path, include_str!("fixtures/greedy_reference_gemma3.json"), opts, 4, 0.7);
 }
 
 #[test]

@@ -7,7 +7,7 @@
 //!
 //! The model file is required, not optional: without it these tests fail and say how to get it.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::OnceLock;
 
 use bellows_worker::tokenizer::{ChatMessage, Detokenizer, ModelTokenizer};
@@ -33,138 +33,164 @@ struct Case {
     detokenized: String,
 }
 
-fn model_path() -> PathBuf {
-    bellows_worker::load::default_model_path()
+/// A GGUF and the fixture llama.cpp wrote for it.
+struct Model {
+    reference: Reference,
+    tokenizer: ModelTokenizer,
 }
 
-fn reference() -> &'static Reference {
-    static R: OnceLock<Reference> = OnceLock::new();
-    R.get_or_init(|| {
-        serde_json::from_str(include_str!("fixtures/tokenizer_reference.json"))
-            .expect("parsing the llama.cpp reference fixture")
-    })
-}
-
-fn gguf() -> &'static Content {
-    static C: OnceLock<Content> = OnceLock::new();
-    C.get_or_init(|| {
-        let path = model_path();
-        let mut file = std::fs::File::open(&path).unwrap_or_else(|e| {
-            panic!(
-                "cannot open the model GGUF {} ({e}): run scripts/fetch-model.sh \
-                 (or set BELLOWS_MODEL to the model's path)",
+/// The default model (SmolLM2, byte-level BPE) and Gemma 3 (SentencePiece): one vocabulary of
+/// each kind the loader builds.
+fn models() -> &'static [Model] {
+    static M: OnceLock<Vec<Model>> = OnceLock::new();
+    M.get_or_init(|| {
+        [
+            (bellows_worker::load::default_model_path(), include_str!("fixtures/tokenizer_reference.json")),
+            (
+                bellows_worker::load::cached_model_path(GEMMA3_FILE),
+                include_str!("fixtures/tokenizer_reference_gemma3.json"),
+            ),
+        ]
+        .into_iter()
+        .map(|(path, fixture)| {
+            let reference: Reference = serde_json::from_str(fixture).expect("parsing a llama.cpp reference fixture");
+            let name = path.file_name().unwrap().to_string_lossy();
+            assert_eq!(
+                name,
+                reference.model,
+                "the reference fixture was made for another model: regenerate it with \
+                 scripts/reference/llama_cpp_tokenize.py --model {}",
                 path.display()
-            )
-        });
-        let name = path.file_name().unwrap().to_string_lossy();
-        assert_eq!(
-            name,
-            reference().model,
-            "the reference fixture was made for another model: regenerate it with \
-             scripts/reference/llama_cpp_tokenize.py --model {}",
-            path.display()
-        );
-        Content::read(&mut file).expect("reading GGUF metadata")
+            );
+            let content = gguf(&path);
+            let tokenizer = ModelTokenizer::from_gguf(&content).expect("building the tokenizer from the GGUF");
+            Model { reference, tokenizer }
+        })
+        .collect()
     })
 }
 
-fn tokenizer() -> &'static ModelTokenizer {
-    static T: OnceLock<ModelTokenizer> = OnceLock::new();
-    T.get_or_init(|| ModelTokenizer::from_gguf(gguf()).expect("building the tokenizer from the GGUF"))
+const GEMMA3_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+
+fn gguf(path: &Path) -> Content {
+    let mut file = std::fs::File::open(path).unwrap_or_else(|e| {
+        panic!("cannot open the model GGUF {} ({e}): run scripts/fetch-model.sh --all", path.display())
+    });
+    Content::read(&mut file).expect("reading GGUF metadata")
+}
+
+fn default_model() -> &'static Model {
+    &models()[0]
+}
+
+fn gemma3() -> &'static Model {
+    &models()[1]
 }
 
 #[test]
 fn encode_matches_llama_cpp_on_every_reference_line() {
-    let tok = tokenizer();
     let mut mismatches = Vec::new();
-    for case in &reference().cases {
-        let ours = tok.encode(&case.text, false).unwrap();
-        if ours != case.ids {
-            mismatches.push(format!("{:?}\n  llama.cpp: {:?}\n  ours:      {:?}", case.text, case.ids, ours));
+    for Model { reference, tokenizer: tok } in models() {
+        for case in &reference.cases {
+            let ours = tok.encode(&case.text, false).unwrap();
+            if ours != case.ids {
+                mismatches.push(format!(
+                    "{}: {:?}\n  llama.cpp: {:?}\n  ours:      {:?}",
+                    reference.model, case.text, case.ids, ours
+                ));
+            }
         }
     }
     assert!(
         mismatches.is_empty(),
-        "{} of {} lines tokenize differently from llama.cpp:\n{}",
+        "{} lines tokenize differently from llama.cpp:\n{}",
         mismatches.len(),
-        reference().cases.len(),
         mismatches.join("\n")
     );
 }
 
 #[test]
 fn add_special_tokens_adds_bos_exactly_when_llama_cpp_does() {
-    let tok = tokenizer();
-    for case in &reference().cases {
-        assert_eq!(tok.encode(&case.text, true).unwrap(), case.ids_add_special, "{:?}", case.text);
+    for Model { reference, tokenizer: tok } in models() {
+        for case in &reference.cases {
+            assert_eq!(
+                tok.encode(&case.text, true).unwrap(),
+                case.ids_add_special,
+                "{}: {:?}",
+                reference.model,
+                case.text
+            );
+        }
     }
 }
 
 #[test]
 fn decode_of_encode_is_the_original_text_for_lines_without_control_tokens() {
-    let tok = tokenizer();
-    for case in reference().cases.iter().filter(|c| !c.has_special) {
-        assert_eq!(tok.decode(&tok.encode(&case.text, false).unwrap()), case.text);
+    for Model { reference, tokenizer: tok } in models() {
+        for case in reference.cases.iter().filter(|c| !c.has_special) {
+            assert_eq!(tok.decode(&tok.encode(&case.text, false).unwrap()), case.text, "{}", reference.model);
+        }
     }
 }
 
 #[test]
 fn decode_matches_llama_cpp_detokenize_which_drops_control_tokens() {
-    let tok = tokenizer();
-    for case in &reference().cases {
-        assert_eq!(tok.decode(&case.ids), case.detokenized, "{:?}", case.text);
+    for Model { reference, tokenizer: tok } in models() {
+        for case in &reference.cases {
+            assert_eq!(tok.decode(&case.ids), case.detokenized, "{}: {:?}", reference.model, case.text);
+        }
     }
 }
 
 #[test]
 fn streaming_token_bytes_through_the_detokenizer_equals_decode() {
-    let tok = tokenizer();
-    for case in &reference().cases {
-        let mut d = Detokenizer::new();
-        let mut streamed = String::new();
-        for &id in &case.ids {
-            let piece = d.push(tok.token_bytes(id));
-            assert!(!piece.contains('\u{FFFD}'), "{:?}: streamed a replacement char", case.text);
-            streamed.push_str(&piece);
+    for Model { reference, tokenizer: tok } in models() {
+        for case in &reference.cases {
+            let mut d = Detokenizer::new();
+            let mut streamed = String::new();
+            for &id in &case.ids {
+                let piece = d.push(tok.token_bytes(id));
+                assert!(!piece.contains('\u{FFFD}'), "{:?}: streamed a replacement char", case.text);
+                streamed.push_str(&piece);
+            }
+            streamed.push_str(&d.finish());
+            assert_eq!(streamed, tok.decode(&case.ids), "{}: {:?}", reference.model, case.text);
         }
-        streamed.push_str(&d.finish());
-        assert_eq!(streamed, tok.decode(&case.ids), "{:?}", case.text);
     }
 }
 
 #[test]
 fn special_ids_and_vocab_size_match_llama_cpp() {
-    let tok = tokenizer();
-    let r = reference();
-    assert_eq!(tok.vocab_size(), r.n_vocab);
-    assert_eq!(tok.bos_id(), Some(r.bos_id));
-    assert_eq!(tok.eos_ids()[0], r.eos_id, "the GGUF's eos comes first");
-    let mut ours = tok.eos_ids().to_vec();
-    ours.sort_unstable();
-    let mut theirs = r.eog_ids.clone();
-    theirs.sort_unstable();
-    assert_eq!(ours, theirs, "end-of-generation ids differ from llama.cpp's");
-    for &id in tok.eos_ids() {
-        assert!(tok.token_bytes(id).is_empty(), "eos id {id} would print text");
+    for Model { reference: r, tokenizer: tok } in models() {
+        assert_eq!(tok.vocab_size(), r.n_vocab);
+        assert_eq!(tok.bos_id(), Some(r.bos_id));
+        assert_eq!(tok.eos_ids()[0], r.eos_id, "the GGUF's eos comes first");
+        let mut ours = tok.eos_ids().to_vec();
+        ours.sort_unstable();
+        let mut theirs = r.eog_ids.clone();
+        theirs.sort_unstable();
+        assert_eq!(ours, theirs, "{}: end-of-generation ids differ from llama.cpp's", r.model);
+        assert!(tok.token_bytes(r.eos_id).is_empty(), "{}: eos would print text", r.model);
     }
 }
 
 #[test]
 fn tokenizer_json_for_a_router_encodes_like_the_worker() {
-    let tok = tokenizer();
-    let json = tok.tokenizer_json().unwrap();
-    let router: tokenizers::Tokenizer = json.parse().unwrap();
-    for case in &reference().cases {
-        for add_special in [false, true] {
-            let theirs = router.encode(case.text.as_str(), add_special).unwrap();
-            assert_eq!(theirs.get_ids(), tok.encode(&case.text, add_special).unwrap(), "{:?}", case.text);
+    for Model { reference, tokenizer: tok } in models() {
+        let json = tok.tokenizer_json().unwrap();
+        let router: tokenizers::Tokenizer = json.parse().unwrap();
+        for case in &reference.cases {
+            for add_special in [false, true] {
+                let theirs = router.encode(case.text.as_str(), add_special).unwrap();
+                assert_eq!(theirs.get_ids(), tok.encode(&case.text, add_special).unwrap(), "{:?}", case.text);
+            }
         }
     }
 }
 
 #[test]
 fn smollm2_chat_template_from_the_gguf_renders_chatml() {
-    let tok = tokenizer();
+    let tok = &default_model().tokenizer;
     assert!(tok.chat_template().is_some_and(|t| t.contains("<|im_start|>")));
     let user = ChatMessage::new("user".into(), "What is 2+2?".into());
     let system = ChatMessage::new("system".into(), "Be brief.".into());
@@ -183,4 +209,29 @@ fn smollm2_chat_template_from_the_gguf_renders_chatml() {
     assert_eq!(ids[0], 1, "<|im_start|>");
     assert_eq!(ids.iter().filter(|&&id| id == 1).count(), 2);
     assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 2);
+}
+
+#[test]
+fn gemma3_without_a_template_in_its_gguf_renders_gemma_turns() {
+    let tok = &gemma3().tokenizer;
+    let messages = [
+        ChatMessage::new("system".into(), "Be brief.".into()),
+        ChatMessage::new("user".into(), " What is 2+2? ".into()),
+        ChatMessage::new("assistant".into(), "4".into()),
+        ChatMessage::new("user".into(), "And 3+3?".into()),
+    ];
+    let prompt = tok.apply_chat_template(&messages, true).unwrap();
+    assert_eq!(
+        prompt,
+        "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n\
+         <start_of_turn>user\nAnd 3+3?<end_of_turn>\n<start_of_turn>model\n"
+    );
+    // One BOS (the template's), and the turn markers are control tokens.
+    let ids = tok.encode(&prompt, false).unwrap();
+    assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 1);
+    assert_eq!(ids[..2], [2, 105], "<bos><start_of_turn>");
+    assert!(tok.eos_ids().contains(&106), "<end_of_turn> ends generation");
+    let two_users = [messages[1].clone(), messages[1].clone()];
+    let err = tok.apply_chat_template(&two_users, true).unwrap_err().to_string();
+    assert!(err.contains("alternate"), "{err}");
 }

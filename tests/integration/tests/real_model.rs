@@ -90,3 +90,38 @@ async fn answers_to_twenty_generated_schemas_from_the_real_model_validate_whole_
     }
     assert!(stopped >= 30, "only {stopped} of 40 answers finished within max_tokens");
 }
+
+#[tokio::test]
+async fn a_gemma3_worker_serves_through_the_router_which_tokenizes_its_sentencepiece_vocabulary_like_llama_cpp() {
+    // Gemma 3's tokenizer.json (262,144 pieces and their merges) is far over gRPC's default 4 MiB
+    // message limit: the router must still take its ModelInfo.
+    let home = std::env::var("HOME").unwrap();
+    let dir = std::env::var("BELLOWS_MODEL_DIR").unwrap_or_else(|_| format!("{home}/.cache/bellows/models"));
+    let model = format!("{dir}/gemma-3-270m-q4_k_m.gguf");
+    assert!(std::path::Path::new(&model).exists(), "{model} is missing: run scripts/fetch-model.sh gemma3");
+    let worker = Worker::start(&["--engine", "gguf", "--model", &model, "--model-id", "gemma3"]).await;
+    let router = Router::with_workers(&[&worker], &[] as &[&str]).await;
+    let fixture: Value =
+        serde_json::from_str(include_str!("../../../crates/worker/tests/fixtures/tokenizer_reference_gemma3.json"))
+            .unwrap();
+    for case in fixture["cases"].as_array().unwrap().iter().filter(|c| c["has_special"] == false).take(8) {
+        let text = case["text"].as_str().unwrap();
+        let ids = &case["ids_add_special"];
+        let ask = |prompt: Value| json!({"model": "gemma3", "prompt": prompt, "max_tokens": 4, "temperature": 0});
+        let (s1, _, from_text) = router.post("/v1/completions", &ask(json!(text))).await;
+        let (s2, _, from_ids) = router.post("/v1/completions", &ask(ids.clone())).await;
+        assert_eq!((s1, s2), (200, 200), "{from_text} {from_ids}");
+        assert_eq!(
+            from_text["usage"]["prompt_tokens"].as_u64().unwrap(),
+            ids.as_array().unwrap().len() as u64,
+            "prompt length of {text:?}"
+        );
+        assert_eq!(from_text["choices"][0]["text"], from_ids["choices"][0]["text"], "completion of {text:?}");
+    }
+    // Chat renders Gemma's turns (its GGUF has no template): BOS, then user turn, then model turn.
+    let chat = json!({"model": "gemma3", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+    let (status, _, body) = router.post("/v1/chat/completions", &chat).await;
+    assert_eq!(status, 200, "{body}");
+    // <bos> <start_of_turn> user \n Hi <end_of_turn> \n <start_of_turn> model \n
+    assert_eq!(body["usage"]["prompt_tokens"], 10, "{body}");
+}

@@ -44,6 +44,10 @@ use super::{
     session::SessionChannel,
 };
 
+/// The largest message a worker may send: ModelInfo carries the whole tokenizer.json, which for
+/// Gemma 3's 262,144-token vocabulary and its merges is far over tonic's default limit of 4 MiB.
+const MAX_WORKER_MESSAGE: usize = 256 << 20;
+
 /// Workers report at least every 250 ms; a stream silent this long is treated as broken.
 pub const REPORT_SILENCE: Duration = Duration::from_secs(3);
 /// How long a retired link's session may still carry its requests.
@@ -175,7 +179,8 @@ impl WorkerLink {
             client: WorkerClient::new(match tls {
                 Some(connector) => endpoint.connect_with_connector_lazy(connector),
                 None => endpoint.connect_lazy(),
-            }),
+            })
+            .max_decoding_message_size(MAX_WORKER_MESSAGE),
             state: Mutex::new(LinkState::default()),
             queue,
             next_pending: AtomicU64::new(0),

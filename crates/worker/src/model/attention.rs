@@ -76,6 +76,29 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
+/// What one layer's attention computes: its heads, the score scale, and for a sliding-window
+/// layer how many of the latest positions (the query's own included) each query sees.
+#[derive(Debug, Clone, Copy)]
+pub struct Attention {
+    pub heads: Heads,
+    pub scale: f32,
+    pub window: Option<usize>,
+}
+
+impl Attention {
+    /// Causal attention over every earlier position, scaled by 1/sqrt(head_dim).
+    pub fn causal(heads: Heads) -> Self {
+        Attention { heads, scale: 1.0 / (heads.head_dim as f32).sqrt(), window: None }
+    }
+
+    /// The positions `first..end` a query at `pos` attends to.
+    #[inline]
+    fn visible(&self, pos: usize) -> (usize, usize) {
+        let end = pos + 1;
+        (self.window.map_or(0, |w| end.saturating_sub(w)), end)
+    }
+}
+
 /// One layer's paged K and V storage: `[block][slot][kv_head][head_dim]`.
 pub struct LayerKv {
     k: Vec<f32>,
@@ -360,18 +383,19 @@ impl DisjointOut {
 }
 
 /// Apply rotary embedding to q and k, store k and v in the paged cache, then compute causal
-/// attention for every new token. `q` is `[tokens][n_head*head_dim]`, `k`/`v` are
-/// `[tokens][n_kv_head*head_dim]`, rows concatenated in batch order. Returns `[tokens][n_head*head_dim]`.
+/// attention for every new token (over its window, on a sliding-window layer). `q` is
+/// `[tokens][n_head*head_dim]`, `k`/`v` are `[tokens][n_kv_head*head_dim]`, rows concatenated in
+/// batch order. Returns `[tokens][n_head*head_dim]`.
 pub fn paged_attention(
     rows: &[BatchRow<'_>],
     q: &mut [f32],
     k: &mut [f32],
     v: &[f32],
     kv: &mut LayerKv,
-    heads: Heads,
+    shape: Attention,
     rope: &Rope,
 ) -> Vec<f32> {
-    let Heads { n_head, n_kv_head, head_dim: hd } = heads;
+    let Heads { n_head, n_kv_head, head_dim: hd } = shape.heads;
     let block_size = kv.block_size;
     let (q_row, kv_row) = (n_head * hd, n_kv_head * hd);
 
@@ -395,7 +419,7 @@ pub fn paged_attention(
         kv.v[off..off + kv_row].copy_from_slice(&v[t * kv_row..(t + 1) * kv_row]);
     }
 
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = shape.scale;
     let group = n_head / n_kv_head;
     let mut out = vec![0f32; q.len()];
     let kv = &*kv;
@@ -417,37 +441,52 @@ pub fn paged_attention(
         let p0 = token_pos[t0].1;
         let n_max = p0 + m;
         let paged = PagedRows { blocks: rows[r].blocks, block_size, stride: kv_row, head: g * hd };
-        // Query (j, h) has positions 0..=p0+j; its scores are row j * group + h of `scores`.
-        let visible = |j: usize, p: usize, len: usize| len.min((p0 + j + 1).saturating_sub(p));
+        // Query j sees positions visible(p0 + j); of the block run (p, len), the part
+        // (first, count) lies there, `first` counted from p.
+        let part = |j: usize, p: usize, len: usize| {
+            let (lo, hi) = shape.visible(p0 + j);
+            let (a, b) = (p.max(lo), (p + len).min(hi));
+            (a - p, b.saturating_sub(a))
+        };
         scores.clear();
         scores.resize(m * group * n_max, 0.0);
         for (p, off, len) in paged.runs(n_max) {
-            for j in (0..m).filter(|&j| visible(j, p, len) > 0) {
+            for j in 0..m {
+                let (first, count) = part(j, p, len);
+                if count == 0 {
+                    continue;
+                }
                 for h in 0..group {
                     let qv = &q[(t0 + j) * q_row + (g * group + h) * hd..][..hd];
-                    let row = &mut scores[(j * group + h) * n_max + p..][..visible(j, p, len)];
-                    qk_run(qv, &kv.k, off, kv_row, scale, row);
+                    let row = &mut scores[(j * group + h) * n_max + p + first..][..count];
+                    qk_run(qv, &kv.k, off + first * kv_row, kv_row, scale, row);
                 }
             }
         }
         for j in 0..m {
+            let (lo, hi) = shape.visible(p0 + j);
             for h in 0..group {
-                softmax(&mut scores[(j * group + h) * n_max..][..p0 + j + 1]);
+                softmax(&mut scores[(j * group + h) * n_max + lo..][..hi - lo]);
             }
         }
         for (p, off, len) in paged.runs(n_max) {
-            for j in (0..m).filter(|&j| visible(j, p, len) > 0) {
+            for j in 0..m {
+                let (first, count) = part(j, p, len);
+                if count == 0 {
+                    continue;
+                }
                 for h in 0..group {
                     // SAFETY: head (g * group + h) of token t0 + j belongs to this task alone.
                     let o = unsafe { shared.slice((t0 + j) * q_row + (g * group + h) * hd, hd) };
-                    let w = &scores[(j * group + h) * n_max + p..][..visible(j, p, len)];
-                    weighted_run(w, &kv.v, off, kv_row, o);
+                    let w = &scores[(j * group + h) * n_max + p + first..][..count];
+                    weighted_run(w, &kv.v, off + first * kv_row, kv_row, o);
                 }
             }
         }
     };
     // Small steps (decode) run on this thread: waking the pool costs more than the work.
-    let work: usize = token_pos.iter().map(|&(_, p)| p + 1).sum::<usize>() * n_head * hd;
+    let work: usize =
+        token_pos.iter().map(|&(_, p)| shape.visible(p).1 - shape.visible(p).0).sum::<usize>() * n_head * hd;
     run_tasks(tiles.len() * n_kv_head, work >= PARALLEL_MIN_WORK, task);
     out
 }
@@ -543,16 +582,28 @@ mod tests {
         assert_eq!(bits(&out), bits(&expected));
     }
 
-    /// Attention for `tokens` new tokens after `cached`, as one step or token by token.
-    fn attend(cached: usize, tokens: usize, one_by_one: bool) -> Vec<f32> {
+    /// Attention for `tokens` new tokens after `cached`, as one step or token by token, over
+    /// `window` positions (None: all); keys and values before position `stale_before` are shifted
+    /// (what a window must never see).
+    fn attend_with(
+        cached: usize,
+        tokens: usize,
+        one_by_one: bool,
+        window: Option<usize>,
+        stale_before: usize,
+    ) -> Vec<f32> {
         use crate::kv_cache::BlockId;
         let heads = Heads { n_head: 6, n_kv_head: 2, head_dim: 64 };
         let (q_row, kv_row) = (6 * 64, 2 * 64);
+        let shape = Attention { window, ..Attention::causal(heads) };
         let mut kv = LayerKv::new(16, 4, heads);
         let blocks: Vec<BlockId> = [9, 2, 14, 0, 5, 11, 3, 7, 1, 12].map(BlockId::new).to_vec();
         let rope = Rope::new(RopeStyle::Halves, 64, 10000.0, 64);
         let all = cached + tokens;
-        let (q, k, v) = (wave(all * q_row, 0.031), wave(all * kv_row, 0.023), wave(all * kv_row, 0.017));
+        let (q, mut k, mut v) = (wave(all * q_row, 0.031), wave(all * kv_row, 0.023), wave(all * kv_row, 0.017));
+        for x in k[..stale_before * kv_row].iter_mut().chain(&mut v[..stale_before * kv_row]) {
+            *x += 0.75;
+        }
         let ids = vec![0u32; all];
         let mut out = Vec::new();
         let steps: Vec<(usize, usize)> =
@@ -562,12 +613,20 @@ mod tests {
             let (mut qs, mut ks) =
                 (q[start * q_row..][..len * q_row].to_vec(), k[start * kv_row..][..len * kv_row].to_vec());
             let vs = &v[start * kv_row..][..len * kv_row];
-            let o = paged_attention(&[row], &mut qs, &mut ks, vs, &mut kv, heads, &rope);
+            let o = paged_attention(&[row], &mut qs, &mut ks, vs, &mut kv, shape, &rope);
             if start >= cached {
                 out.extend(o);
             }
         }
         out
+    }
+
+    fn attend(cached: usize, tokens: usize, one_by_one: bool) -> Vec<f32> {
+        attend_with(cached, tokens, one_by_one, None, 0)
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
     }
 
     #[test]
@@ -576,8 +635,22 @@ mod tests {
         let tiled = attend(3, 37, false);
         let alone = attend(3, 37, true);
         assert_eq!(tiled.len(), alone.len());
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert!(bits(&tiled) == bits(&alone), "tiled attention differs from token-by-token");
+    }
+
+    #[test]
+    fn a_sliding_window_hides_what_lies_before_it_and_keeps_chunks_exact() {
+        // The last of 40 positions, window 9: positions 31..=39 are visible, 0..31 are not.
+        let (cached, tokens, window) = (39, 1, Some(9));
+        let windowed = attend_with(cached, tokens, false, window, 0);
+        assert_eq!(bits(&windowed), bits(&attend_with(cached, tokens, false, window, 31)), "stale keys were read");
+        assert_ne!(bits(&windowed), bits(&attend_with(cached, tokens, false, window, 32)), "a visible key was skipped");
+        assert_ne!(bits(&windowed), bits(&attend(cached, tokens, false)), "the window changed nothing");
+        // Every query of a chunk (tiles spanning window edges and blocks) as if alone.
+        let w = Some(6);
+        assert_eq!(bits(&attend_with(5, 35, false, w, 0)), bits(&attend_with(5, 35, true, w, 0)));
+        // A window wider than the sequence is plain causal attention.
+        assert_eq!(bits(&attend_with(5, 35, false, Some(64), 0)), bits(&attend(5, 35, false)));
     }
 
     #[test]

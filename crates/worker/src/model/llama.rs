@@ -1,4 +1,12 @@
-//! Llama-family transformer (GGUF `llama` and `qwen2`) with a batched, ragged forward pass.
+//! Llama-family transformers (GGUF `llama`, `qwen2`, `gemma3`) with a batched, ragged forward
+//! pass.
+//!
+//! The families differ in a few places, each a field of [`Family`]'s traits rather than a copy of
+//! the forward: how rotary pairs dimensions, per-head norms of q and k (Gemma 3), norms after
+//! attention and after the MLP (Gemma 3), a scaled embedding, the MLP's activation, biases on q/k/v
+//! (Qwen2), and sliding-window layers with their own rope base (Gemma 3: five local layers of 512
+//! positions to each global one). Each family is checked against llama.cpp's greedy output on a
+//! real file (`tests/engine_real_model.rs`).
 //!
 //! Why our own forward rather than candle's stock models: those keep one KV cache per model and
 //! fail on batched prefill, so they cannot serve many sequences at once. Here every linear layer
@@ -19,7 +27,7 @@ use candle_core::{
 
 use super::{
     Backend, BatchRow, ModelSpec,
-    attention::{Heads, LayerKv, Rope, RopeStyle, paged_attention},
+    attention::{Attention, Heads, LayerKv, Rope, RopeStyle, paged_attention},
     q8_matmul::{self, Q8Weights},
 };
 
@@ -45,10 +53,69 @@ impl Default for LoadOptions {
     }
 }
 
+/// The architectures this forward runs (GGUF `general.architecture`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    Qwen2,
+    Gemma3,
+}
+
+impl Family {
+    fn from_architecture(arch: &str) -> Result<Self> {
+        Ok(match arch {
+            "llama" => Family::Llama,
+            "qwen2" => Family::Qwen2,
+            "gemma3" => Family::Gemma3,
+            other => bail!("unsupported architecture {other:?} (supported: llama, qwen2, gemma3)"),
+        })
+    }
+
+    fn rope_style(self) -> RopeStyle {
+        match self {
+            Family::Llama => RopeStyle::Interleaved,
+            Family::Qwen2 | Family::Gemma3 => RopeStyle::Halves,
+        }
+    }
+
+    /// Gemma normalizes q and k per head, and each sub-layer's output before the residual add.
+    fn gemma_norms(self) -> bool {
+        self == Family::Gemma3
+    }
+
+    fn activation(self) -> Activation {
+        if self == Family::Gemma3 { Activation::GeluTanh } else { Activation::Silu }
+    }
+}
+
+/// The MLP's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Activation {
+    Silu,
+    /// GELU, tanh approximation (Gemma's `gelu_pytorch_tanh`; llama.cpp's `ggml_gelu`).
+    GeluTanh,
+}
+
+/// Sliding-window attention on some layers (Gemma 3): layer `i` is local unless
+/// `(i + 1) % period == 0`; local layers see the last `window` positions and use their own rope base.
+#[derive(Debug, Clone, Copy)]
+pub struct SlidingWindow {
+    pub window: usize,
+    pub period: usize,
+    pub rope_theta: f32,
+}
+
+impl SlidingWindow {
+    fn is_local(&self, layer: usize) -> bool {
+        !(layer + 1).is_multiple_of(self.period)
+    }
+}
+
 /// Hyper-parameters read from GGUF metadata.
 #[derive(Debug, Clone)]
 pub struct LlamaConfig {
     pub architecture: String,
+    pub family: Family,
     pub n_layer: usize,
     pub hidden: usize,
     pub heads: Heads,
@@ -56,15 +123,14 @@ pub struct LlamaConfig {
     pub rms_eps: f32,
     pub context_length: usize,
     pub vocab_size: usize,
+    pub sliding: Option<SlidingWindow>,
 }
 
 impl LlamaConfig {
     pub fn from_gguf(c: &gguf_file::Content) -> Result<Self> {
         let arch =
             c.metadata.get("general.architecture").context("GGUF has no general.architecture")?.to_string()?.clone();
-        if arch != "llama" && arch != "qwen2" {
-            bail!("unsupported architecture {arch:?} (supported: llama, qwen2)");
-        }
+        let family = Family::from_architecture(&arch)?;
         let get = |k: &str| c.metadata.get(&format!("{arch}.{k}")).with_context(|| format!("GGUF lacks {arch}.{k}"));
         let n_head = get("attention.head_count")?.to_u32()? as usize;
         let hidden = get("embedding_length")?.to_u32()? as usize;
@@ -72,18 +138,43 @@ impl LlamaConfig {
             Ok(v) => v.to_u32()? as usize,
             Err(_) => n_head,
         };
+        // Gemma's heads are wider than hidden / heads; the GGUF says so.
+        let head_dim = match get("attention.key_length") {
+            Ok(v) => v.to_u32()? as usize,
+            Err(_) => hidden / n_head,
+        };
         let vocab_size =
             c.tensor_infos.get("token_embd.weight").context("GGUF lacks token_embd.weight")?.shape.dims()[0];
+        // llama.cpp's Gemma 3 constants: every sixth layer global, local layers at rope base 10^4.
+        let sliding = match (family, get("attention.sliding_window")) {
+            (Family::Gemma3, Ok(w)) => {
+                Some(SlidingWindow { window: w.to_u32()? as usize, period: 6, rope_theta: 10_000.0 })
+            }
+            _ => None,
+        };
         Ok(LlamaConfig {
+            family,
             n_layer: get("block_count")?.to_u32()? as usize,
             hidden,
-            heads: Heads { n_head, n_kv_head, head_dim: hidden / n_head },
+            heads: Heads { n_head, n_kv_head, head_dim },
             rope_theta: get("rope.freq_base").and_then(|v| Ok(v.to_f32()?)).unwrap_or(10000.0),
             rms_eps: get("attention.layer_norm_rms_epsilon")?.to_f32()?,
             context_length: get("context_length")?.to_u32()? as usize,
             vocab_size,
+            sliding,
             architecture: arch,
         })
+    }
+
+    /// The attention scale. Gemma 3 27B scales by hidden / heads, not by the head width
+    /// (llama.cpp, after gemma_pytorch's config).
+    fn attention_scale(&self) -> f32 {
+        let width = if self.family == Family::Gemma3 && self.n_layer == 62 {
+            self.hidden / self.heads.n_head
+        } else {
+            self.heads.head_dim
+        };
+        1.0 / (width as f32).sqrt()
     }
 }
 
@@ -152,6 +243,14 @@ impl Fused {
     }
 }
 
+/// Gemma's extra norms: q and k per head, and each sub-layer's output.
+struct GemmaNorms {
+    q: Tensor,
+    k: Tensor,
+    post_attention: Tensor,
+    post_ffn: Tensor,
+}
+
 struct Layer {
     attn_norm: Tensor,
     qkv: Fused,
@@ -159,6 +258,10 @@ struct Layer {
     ffn_norm: Tensor,
     gate_up: Fused,
     down: Linear,
+    gemma: Option<GemmaNorms>,
+    /// Index into the model's rope tables, and the positions this layer attends to (None: all).
+    rope: usize,
+    window: Option<usize>,
 }
 
 pub struct LlamaModel {
@@ -166,10 +269,13 @@ pub struct LlamaModel {
     cfg: LlamaConfig,
     device: Device,
     embed: QTensor,
+    /// Gemma multiplies the embedding by sqrt(hidden).
+    embed_scale: Option<f64>,
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
-    rope: Rope,
+    /// One table per rope base: global layers use the first, sliding-window layers the second.
+    ropes: Vec<Rope>,
     kv: Vec<LayerKv>,
 }
 
@@ -294,7 +400,21 @@ impl LlamaModel {
                 &[p("attn_q.weight"), p("attn_k.weight"), p("attn_v.weight")],
                 &[p("attn_q.bias"), p("attn_k.bias"), p("attn_v.bias")],
             )?;
+            let gemma = if cfg.family.gemma_norms() {
+                Some(GemmaNorms {
+                    q: l.f32(&p("attn_q_norm.weight"))?,
+                    k: l.f32(&p("attn_k_norm.weight"))?,
+                    post_attention: l.f32(&p("post_attention_norm.weight"))?,
+                    post_ffn: l.f32(&p("post_ffw_norm.weight"))?,
+                })
+            } else {
+                None
+            };
+            let local = cfg.sliding.filter(|s| s.is_local(i));
             layers.push(Layer {
+                gemma,
+                rope: usize::from(local.is_some()),
+                window: local.map(|s| s.window),
                 attn_norm: l.f32(&p("attn_norm.weight"))?,
                 qkv,
                 wo: {
@@ -312,8 +432,12 @@ impl LlamaModel {
         }
         bar.finish_and_clear();
 
-        let style = if cfg.architecture == "qwen2" { RopeStyle::Halves } else { RopeStyle::Interleaved };
-        let rope = Rope::new(style, cfg.heads.head_dim, cfg.rope_theta, cfg.context_length);
+        let style = cfg.family.rope_style();
+        let ropes = std::iter::once(cfg.rope_theta)
+            .chain(cfg.sliding.map(|s| s.rope_theta))
+            .map(|theta| Rope::new(style, cfg.heads.head_dim, theta, cfg.context_length))
+            .collect();
+        let embed_scale = cfg.family.gemma_norms().then(|| (cfg.hidden as f64).sqrt());
         let model_id = default_model_id(path);
         let spec = ModelSpec {
             model_id,
@@ -322,8 +446,15 @@ impl LlamaModel {
             context_length: cfg.context_length,
             kv_bytes_per_token: cfg.n_layer * 2 * cfg.heads.n_kv_head * cfg.heads.head_dim * 4,
         };
-        Ok(LlamaModel { spec, cfg, device, embed, layers, norm, lm_head, rope, kv: Vec::new() })
+        Ok(LlamaModel { spec, cfg, device, embed, embed_scale, layers, norm, lm_head, ropes, kv: Vec::new() })
     }
+}
+
+/// RMS norm of each `head_dim`-wide head of `x` (`[tokens, heads * head_dim]`).
+fn per_head_norm(x: &Tensor, weight: &Tensor, head_dim: usize, eps: f32) -> Result<Tensor> {
+    let (t, w) = x.dims2()?;
+    let heads = x.reshape((t * w / head_dim, head_dim))?;
+    Ok(candle_nn::ops::rms_norm(&heads, weight, eps)?.reshape((t, w))?)
 }
 
 /// CPU unless built with `cuda` and a GPU is present.
@@ -365,24 +496,45 @@ impl Backend for LlamaModel {
         let n_tok = ids.len();
         let ids = Tensor::from_vec(ids, n_tok, &self.device)?;
         let mut x = self.embed.embedding(&ids)?; // [T, hidden]
-        let heads = self.cfg.heads;
+        if let Some(scale) = self.embed_scale {
+            x = x.affine(scale, 0.0)?;
+        }
+        let (heads, eps) = (self.cfg.heads, self.cfg.rms_eps);
         let (q_w, kv_w) = (heads.n_head * heads.head_dim, heads.n_kv_head * heads.head_dim);
+        let scale = self.cfg.attention_scale();
+        let activation = self.cfg.family.activation();
 
         for (layer, kv) in self.layers.iter().zip(self.kv.iter_mut()) {
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.cfg.rms_eps)?;
-            let qkv = layer.qkv.forward(&h)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let mut qkv = layer.qkv.forward(&h)?;
+            if let Some(g) = &layer.gemma {
+                qkv[0] = per_head_norm(&qkv[0], &g.q, heads.head_dim, eps)?;
+                qkv[1] = per_head_norm(&qkv[1], &g.k, heads.head_dim, eps)?;
+            }
             let mut q = qkv[0].flatten_all()?.to_vec1::<f32>()?;
             let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
             let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
             debug_assert_eq!((q.len(), k.len()), (n_tok * q_w, n_tok * kv_w));
-            let attn = paged_attention(rows, &mut q, &mut k, &v, kv, heads, &self.rope);
+            let shape = Attention { heads, scale, window: layer.window };
+            let attn = paged_attention(rows, &mut q, &mut k, &v, kv, shape, &self.ropes[layer.rope]);
             let attn = Tensor::from_vec(attn, (n_tok, q_w), &self.device)?;
-            x = (x + layer.wo.forward(&attn)?)?;
+            let mut o = layer.wo.forward(&attn)?;
+            if let Some(g) = &layer.gemma {
+                o = candle_nn::ops::rms_norm(&o, &g.post_attention, eps)?;
+            }
+            x = (x + o)?;
 
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.cfg.rms_eps)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let gu = layer.gate_up.forward(&h)?;
-            let m = (candle_nn::ops::silu(&gu[0])? * &gu[1])?;
-            x = (x + layer.down.forward(&m)?)?;
+            let gate = match activation {
+                Activation::Silu => candle_nn::ops::silu(&gu[0])?,
+                Activation::GeluTanh => gu[0].gelu()?,
+            };
+            let mut d = layer.down.forward(&(gate * &gu[1])?)?;
+            if let Some(g) = &layer.gemma {
+                d = candle_nn::ops::rms_norm(&d, &g.post_ffn, eps)?;
+            }
+            x = (x + d)?;
         }
 
         // Only the rows being sampled need the (large) vocabulary projection.

@@ -21,7 +21,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::{SpecialToken, TemplateProcessing};
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
-use super::TokenKind;
+use super::{TokenKind, sentencepiece};
 
 /// Qwen2's pre-tokenizer split (from its `tokenizer.json`): single digits, letters with at most
 /// one leading non-letter, punctuation runs with trailing newlines.
@@ -142,7 +142,8 @@ fn token_kinds(content: &Content, n_tokens: usize) -> Result<Vec<TokenKind>> {
                 // Like llama.cpp: control and unknown tokens are matched in text with
                 // `special=true` and print nothing; unused and byte tokens print nothing either.
                 TYPE_CONTROL | TYPE_UNKNOWN => TokenKind::Special,
-                TYPE_UNUSED | TYPE_BYTE => TokenKind::Hidden,
+                TYPE_UNUSED => TokenKind::Hidden,
+                TYPE_BYTE => TokenKind::Byte,
                 TYPE_USER_DEFINED => TokenKind::UserDefined,
                 _ => TokenKind::Text,
             })
@@ -227,28 +228,19 @@ pub(super) fn set_bos_eos_post_processor(
     Ok(())
 }
 
-/// The parts of a GGUF byte-level BPE tokenizer that [`super::ModelTokenizer`] keeps.
+/// The parts of a GGUF tokenizer that [`super::ModelTokenizer`] keeps.
 pub(super) struct GgufTokenizer {
     pub tokenizer: Tokenizer,
     pub tokens: Vec<String>,
-    pub kinds: Vec<TokenKind>,
+    /// The bytes each token prints.
+    pub table: Vec<Vec<u8>>,
 }
 
+/// A byte-level BPE (`gpt2`) or a SentencePiece (`llama`) vocabulary, with its control and
+/// user-defined tokens matched verbatim in text.
 pub(super) fn build(content: &Content) -> Result<GgufTokenizer> {
     let model = get_str(content, "tokenizer.ggml.model")?
         .context("GGUF has no tokenizer (key tokenizer.ggml.model is missing)")?;
-    if model != "gpt2" {
-        bail!(
-            "unsupported GGUF tokenizer model tokenizer.ggml.model = `{model}`: only `gpt2` \
-             (byte-level BPE) is supported; pass the model's tokenizer.json instead"
-        );
-    }
-    let pre = get_str(content, "tokenizer.ggml.pre")?.context(
-        "GGUF has no tokenizer.ggml.pre: cannot tell how to split text before BPE; \
-         pass the model's tokenizer.json instead",
-    )?;
-    let (pre_tokenizer, nfc, ignore_merges) = pre_tokenizer(pre)?;
-
     let tokens = tokens(content)?.context("GGUF has no tokenizer.ggml.tokens")?;
     let mut kinds = token_kinds(content, tokens.len())?;
     for (text, kind) in tokens.iter().zip(kinds.iter_mut()) {
@@ -256,6 +248,38 @@ pub(super) fn build(content: &Content) -> Result<GgufTokenizer> {
             *kind = TokenKind::Special;
         }
     }
+    let (mut tokenizer, table) = match model {
+        "gpt2" => {
+            let table = tokens.iter().zip(&kinds).map(|(t, k)| k.prints(t, super::byte_level_decode)).collect();
+            (byte_level(content, &tokens)?, table)
+        }
+        "llama" => {
+            let table = tokens
+                .iter()
+                .zip(&kinds)
+                .map(|(t, k)| match k {
+                    TokenKind::Byte => sentencepiece::fallback_byte(t).into_iter().collect(),
+                    _ => k.prints(t, sentencepiece::piece_bytes),
+                })
+                .collect();
+            (sentencepiece::tokenizer(content, &tokens, &kinds)?, table)
+        }
+        other => bail!(
+            "unsupported GGUF tokenizer model tokenizer.ggml.model = `{other}` (supported: `gpt2`, \
+             byte-level BPE; `llama`, SentencePiece); pass the model's tokenizer.json instead"
+        ),
+    };
+    add_verbatim_tokens(&mut tokenizer, &tokens, &kinds)?;
+    Ok(GgufTokenizer { tokenizer, tokens: tokens.into_iter().map(str::to_owned).collect(), table })
+}
+
+/// A byte-level BPE from `tokenizer.ggml.merges`, split first as its `pre` says.
+fn byte_level(content: &Content, tokens: &[&str]) -> Result<Tokenizer> {
+    let pre = get_str(content, "tokenizer.ggml.pre")?.context(
+        "GGUF has no tokenizer.ggml.pre: cannot tell how to split text before BPE; \
+         pass the model's tokenizer.json instead",
+    )?;
+    let (pre_tokenizer, nfc, ignore_merges) = pre_tokenizer(pre)?;
     let merges = get_str_array(content, "tokenizer.ggml.merges")?
         .context("GGUF has no tokenizer.ggml.merges")?
         .into_iter()
@@ -279,25 +303,27 @@ pub(super) fn build(content: &Content) -> Result<GgufTokenizer> {
     }
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
     tokenizer.with_decoder(Some(ByteLevelDecoder::new(false, true, true)));
+    Ok(tokenizer)
+}
 
+fn add_verbatim_tokens(tokenizer: &mut Tokenizer, tokens: &[&str], kinds: &[TokenKind]) -> Result<()> {
     // Control tokens are matched verbatim anywhere in the text ("<|im_start|>" -> its id) and are
     // skipped by decode(skip_special_tokens); user-defined tokens are matched verbatim but printed.
     let mut specials = Vec::new();
     let mut user_defined = Vec::new();
-    for (text, kind) in tokens.iter().zip(&kinds) {
+    for (text, kind) in tokens.iter().zip(kinds) {
         if text.is_empty() {
             continue;
         }
         match kind {
             TokenKind::Special => specials.push(AddedToken::from(text.to_string(), true)),
             TokenKind::UserDefined => user_defined.push(AddedToken::from(text.to_string(), false).normalized(false)),
-            TokenKind::Text | TokenKind::Hidden => {}
+            TokenKind::Text | TokenKind::Hidden | TokenKind::Byte => {}
         }
     }
     tokenizer.add_special_tokens(specials).map_err(|e| anyhow::anyhow!("adding control tokens: {e}"))?;
     tokenizer.add_tokens(user_defined).map_err(|e| anyhow::anyhow!("adding user-defined tokens: {e}"))?;
-
-    Ok(GgufTokenizer { tokenizer, tokens: tokens.into_iter().map(str::to_owned).collect(), kinds })
+    Ok(())
 }
 
 #[cfg(test)]
@@ -374,9 +400,9 @@ pub(super) mod tests {
     #[test]
     fn unsupported_tokenizer_model_is_a_clear_error() {
         let mut c = tiny_gguf("smollm", false);
-        c.metadata.insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
+        c.metadata.insert("tokenizer.ggml.model".into(), Value::String("bert".into()));
         let err = build(&c).err().unwrap().to_string();
-        assert!(err.contains("only `gpt2`") && err.contains("`llama`"), "{err}");
+        assert!(err.contains("`bert`") && err.contains("`gpt2`") && err.contains("`llama`"), "{err}");
     }
 
     #[test]

@@ -11,6 +11,7 @@
 
 mod detokenize;
 mod gguf;
+mod sentencepiece;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -27,14 +28,30 @@ pub use detokenize::Detokenizer;
 /// What a token contributes to output text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum TokenKind {
-    /// A vocabulary entry in the byte-level alphabet: its bytes are the alphabet inverted.
+    /// A vocabulary entry: its bytes are its text decoded by the vocabulary's alphabet (byte-level
+    /// or SentencePiece).
     Text,
     /// Matched verbatim in input, printed verbatim (GGUF type 4, a non-special added token).
     UserDefined,
     /// Control token (GGUF type 3 or 2, a special added token): matched in input, prints nothing.
     Special,
-    /// Unused or byte token: never produced by encoding, prints nothing.
+    /// Unused token: never produced by encoding, prints nothing.
     Hidden,
+    /// A byte-fallback token (`<0x0A>`, GGUF type 6): SentencePiece writes characters outside its
+    /// vocabulary as these; byte-level vocabularies never produce them.
+    Byte,
+}
+
+impl TokenKind {
+    /// The bytes a token of this kind prints, `decode` turning vocabulary text into bytes; byte
+    /// tokens are their builder's to decode and print nothing here.
+    fn prints(self, text: &str, decode: impl Fn(&str) -> Vec<u8>) -> Vec<u8> {
+        match self {
+            TokenKind::Text => decode(text),
+            TokenKind::UserDefined => text.as_bytes().to_vec(),
+            TokenKind::Special | TokenKind::Hidden | TokenKind::Byte => Vec::new(),
+        }
+    }
 }
 
 /// End-of-generation detection, as llama.cpp does it (llama-vocab.cpp in the llama.cpp vendored by
@@ -106,18 +123,8 @@ impl ModelTokenizer {
     /// unsupported tokenizer models/pre-tokenizers.
     pub fn from_gguf(content: &Content) -> Result<Self> {
         let built = gguf::build(content)?;
-        let table = built
-            .tokens
-            .iter()
-            .zip(&built.kinds)
-            .map(|(text, kind)| match kind {
-                TokenKind::Text => byte_level_decode(text),
-                TokenKind::UserDefined => text.as_bytes().to_vec(),
-                TokenKind::Special | TokenKind::Hidden => Vec::new(),
-            })
-            .collect();
         let tokens = built.tokens;
-        Self::assemble(built.tokenizer, table, content, |id| tokens.get(id as usize).cloned())
+        Self::assemble(built.tokenizer, built.table, content, |id| tokens.get(id as usize).cloned())
     }
 
     /// A tokenizer.json file overrides the GGUF's vocabulary/merges/pre-tokenizer; bos/eos/template
@@ -228,7 +235,11 @@ impl ModelTokenizer {
         };
         gguf::set_bos_eos_post_processor(&mut inner, bos_pp, eos_pp)?;
 
-        let template = match gguf::get_str(content, "tokenizer.chat_template")? {
+        let source = match gguf::get_str(content, "tokenizer.chat_template")? {
+            Some(source) => Some(source),
+            None => family_chat_template(content)?,
+        };
+        let template = match source {
             Some(source) => Some(
                 ChatTemplate::new(source, bos.and_then(&token_text).as_deref(), eos.and_then(&token_text).as_deref())
                     .context("compiling the GGUF's tokenizer.chat_template")?,
@@ -313,6 +324,31 @@ impl ModelTokenizer {
             .render(messages, add_generation_prompt)
             .map_err(Into::into)
     }
+}
+
+/// Gemma's turn format (Gemma 3's own template, for text content): the system message opens the
+/// first user turn, the assistant is `model`, roles alternate.
+const GEMMA_CHAT_TEMPLATE: &str = "{{ bos_token }}\
+{%- if messages[0]['role'] == 'system' -%}\
+{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}\
+{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}\
+{%- for message in loop_messages -%}\
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\
+{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}\
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\
+{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}\
+{{- message['content'] | trim }}{{ '<end_of_turn>\n' }}\
+{%- endfor -%}\
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}";
+
+/// A template for a GGUF that carries none, by its architecture: Gemma 3 files converted from the
+/// base model have no `tokenizer.chat_template`, yet the family has one documented format (and
+/// the tokens for it). Other families without a template serve only `/v1/completions`.
+fn family_chat_template(content: &Content) -> Result<Option<&'static str>> {
+    Ok(match gguf::get_str(content, "general.architecture")? {
+        Some("gemma3") => Some(GEMMA_CHAT_TEMPLATE),
+        _ => None,
+    })
 }
 
 /// GPT-2's `bytes_to_unicode`: byte `b` is written as character `alphabet[b]` in byte-level
