@@ -1,5 +1,6 @@
 //! Engine benchmarks (`bellows-worker bench`): single-stream decode, aggregate decode under
-//! concurrency, time to first token cold and with a cached prefix, and inter-token latency of
+//! concurrency, time to first token cold and with a cached prefix, turn after turn of a cached
+//! conversation against prefilling only the new tokens, and inter-token latency of
 //! running streams while a long prompt arrives, chunked against unchunked, and decode under a JSON
 //! Schema against unconstrained decode in the same run (with the mask time per token). Prints one
 //! JSON object.
@@ -34,7 +35,8 @@ use crate::{
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Which benchmarks: all, decode, batch, ttft, itl, constrained, matmul (comma-separated).
+    /// Which benchmarks: all, decode, batch, ttft, multiturn, itl, constrained, matmul
+    /// (comma-separated).
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// Tokens per stream for the decode benchmarks.
@@ -170,6 +172,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if want("ttft") {
         out["ttft"] = bench_ttft(&ctx, &a)?;
         eprintln!("ttft: {}", out["ttft"]);
+    }
+    if want("multiturn") {
+        out["multiturn"] = bench_multiturn(&ctx, &a)?;
+        eprintln!("multiturn: {}", out["multiturn"]);
     }
     if want("constrained") {
         out["constrained"] = bench_constrained(&ctx, &a)?;
@@ -333,6 +339,51 @@ fn bench_ttft(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
         "prompt_tokens": 1000, "cached_prefix_tokens": cached,
         "cold_ms": c, "cached_ms": w, "speedup": c / w, "cold_runs": cold, "cached_runs": warm,
     }))
+}
+
+/// Turn after turn of one conversation, each turn's prompt the last one's plus its answer and a
+/// new message, the earlier turns cached: each turn's TTFT against a cold prefill of only the
+/// tokens the cache did not hold (the floor a cache could reach were attention over the history
+/// free). Turn 1 opens with a 1,200-token document; each turn adds a 24-token message and the
+/// 32-token answer, so turn 5 is about 1,420 tokens.
+fn bench_multiturn(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
+    const TURNS: usize = 5;
+    const MESSAGE: usize = 24;
+    const ANSWER: u32 = 32;
+    let engine = ctx.engine(EngineConfig::default())?;
+    let h = engine.handle();
+    let ttft = |t: &Trace| (t.tokens[0] - t.submitted).as_secs_f64() * 1000.0;
+    let mut per_turn: Vec<Vec<(usize, usize, f64, f64)>> = vec![Vec::new(); TURNS];
+    for r in 0..a.repeat {
+        let mut history = ctx.long_prompt(1200, 100 + r)?;
+        let messages = ctx.long_prompt(MESSAGE * TURNS, 200 + r)?;
+        for (turn, message) in messages.chunks(MESSAGE).enumerate() {
+            history.extend_from_slice(message);
+            let mut req = greedy(history.clone(), ANSWER);
+            req.cache_salt = Some(format!("chat-{r}"));
+            let t = run_stream(&h, req, None)?;
+            let cached = t.usage.cached_tokens as usize;
+            let new = history.len() - cached;
+            let mut alone = greedy(history[history.len() - new..].to_vec(), 1);
+            alone.cache_salt = Some(format!("alone-{r}-{turn}"));
+            let base = ttft(&run_stream(&h, alone, None)?);
+            per_turn[turn].push((history.len(), cached, ttft(&t), base));
+            history.extend_from_slice(&t.ids);
+        }
+    }
+    let rows: Vec<Value> = per_turn
+        .iter()
+        .enumerate()
+        .map(|(turn, runs)| {
+            let (ttfts, bases): (Vec<f64>, Vec<f64>) = runs.iter().map(|&(_, _, t, b)| (t, b)).unzip();
+            let ratios = runs.iter().map(|&(_, _, t, b)| t / b).collect::<Vec<_>>();
+            json!({
+                "turn": turn + 1, "prompt_tokens": runs[0].0, "cached_tokens": runs[0].1,
+                "ttft_ms": median(ttfts), "new_tokens_alone_ms": median(bases), "ratio": median(ratios),
+            })
+        })
+        .collect();
+    Ok(json!(rows))
 }
 
 /// The 8 streams of the ITL benchmark: same prompts in every run, so token `j` of stream `i` is
