@@ -17,16 +17,14 @@ async fn real_cluster() -> (Worker, Router) {
     (worker, router)
 }
 
-#[tokio::test]
-async fn the_router_tokenizes_text_exactly_like_llama_cpp_and_official_clients_work() {
-    let (_worker, router) = real_cluster().await;
-
-    // A text prompt and llama.cpp's ids for it give the same prompt length and the same greedy
-    // completion: the router's tokenizer (fetched from the worker) agrees with the reference.
-    for case in fixture()["cases"].as_array().unwrap().iter().filter(|c| c["has_special"] == false).take(6) {
+/// For `n` of the fixture's lines without control tokens, a text prompt and llama.cpp's ids for it
+/// give the same prompt length and the same greedy completion: the router's tokenizer (fetched
+/// from the worker) agrees with the reference.
+async fn assert_router_tokenizes_like_llama_cpp(router: &Router, model: &str, fixture: &Value, n: usize) {
+    for case in fixture["cases"].as_array().unwrap().iter().filter(|c| c["has_special"] == false).take(n) {
         let text = case["text"].as_str().unwrap();
         let ids = &case["ids_add_special"];
-        let ask = |prompt: Value| json!({"model": "smollm2", "prompt": prompt, "max_tokens": 6, "temperature": 0});
+        let ask = |prompt: Value| json!({"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0});
         let (s1, _, from_text) = router.post("/v1/completions", &ask(json!(text))).await;
         let (s2, _, from_ids) = router.post("/v1/completions", &ask(ids.clone())).await;
         assert_eq!((s1, s2), (200, 200), "{from_text} {from_ids}");
@@ -37,6 +35,13 @@ async fn the_router_tokenizes_text_exactly_like_llama_cpp_and_official_clients_w
         );
         assert_eq!(from_text["choices"][0]["text"], from_ids["choices"][0]["text"], "completion of {text:?}");
     }
+}
+
+#[tokio::test]
+async fn the_router_tokenizes_text_exactly_like_llama_cpp_and_official_clients_work() {
+    let (_worker, router) = real_cluster().await;
+
+    assert_router_tokenizes_like_llama_cpp(&router, "smollm2", &fixture(), 6).await;
 
     let openai = std::env::var("BELLOWS_PY_OPENAI")
         .unwrap_or_else(|_| format!("{}/.cache/bellows/py-openai", std::env::var("HOME").unwrap()));
@@ -104,20 +109,7 @@ async fn a_gemma3_worker_serves_through_the_router_which_tokenizes_its_sentencep
     let fixture: Value =
         serde_json::from_str(include_str!("../../../crates/worker/tests/fixtures/tokenizer_reference_gemma3.json"))
             .unwrap();
-    for case in fixture["cases"].as_array().unwrap().iter().filter(|c| c["has_special"] == false).take(8) {
-        let text = case["text"].as_str().unwrap();
-        let ids = &case["ids_add_special"];
-        let ask = |prompt: Value| json!({"model": "gemma3", "prompt": prompt, "max_tokens": 4, "temperature": 0});
-        let (s1, _, from_text) = router.post("/v1/completions", &ask(json!(text))).await;
-        let (s2, _, from_ids) = router.post("/v1/completions", &ask(ids.clone())).await;
-        assert_eq!((s1, s2), (200, 200), "{from_text} {from_ids}");
-        assert_eq!(
-            from_text["usage"]["prompt_tokens"].as_u64().unwrap(),
-            ids.as_array().unwrap().len() as u64,
-            "prompt length of {text:?}"
-        );
-        assert_eq!(from_text["choices"][0]["text"], from_ids["choices"][0]["text"], "completion of {text:?}");
-    }
+    assert_router_tokenizes_like_llama_cpp(&router, "gemma3", &fixture, 8).await;
     // Chat renders Gemma's turns (its GGUF has no template): BOS, then user turn, then model turn.
     let chat = json!({"model": "gemma3", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
     let (status, _, body) = router.post("/v1/chat/completions", &chat).await;
