@@ -172,6 +172,12 @@ fn special_ids_and_vocab_size_match_llama_cpp() {
         assert_eq!(ours, theirs, "{}: end-of-generation ids differ from llama.cpp's", r.model);
         assert!(tok.token_bytes(r.eos_id).is_empty(), "{}: eos would print text", r.model);
     }
+    // The default model's end-of-generation tokens are all control tokens: none prints. (Gemma's
+    // `</s>` is user-defined, so it prints, as in llama.cpp.)
+    let tok = &default_model().tokenizer;
+    for &id in tok.eos_ids() {
+        assert!(tok.token_bytes(id).is_empty(), "eos id {id} would print text");
+    }
 }
 
 #[test]

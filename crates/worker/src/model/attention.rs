@@ -485,8 +485,11 @@ pub fn paged_attention(
         }
     };
     // Small steps (decode) run on this thread: waking the pool costs more than the work.
-    let work: usize =
-        token_pos.iter().map(|&(_, p)| shape.visible(p).1 - shape.visible(p).0).sum::<usize>() * n_head * hd;
+    let seen = |p: usize| {
+        let (lo, hi) = shape.visible(p);
+        hi - lo
+    };
+    let work: usize = token_pos.iter().map(|&(_, p)| seen(p)).sum::<usize>() * n_head * hd;
     run_tasks(tiles.len() * n_kv_head, work >= PARALLEL_MIN_WORK, task);
     out
 }

@@ -83,6 +83,11 @@ impl Family {
         self == Family::Gemma3
     }
 
+    /// Gemma multiplies the embedding by sqrt(hidden).
+    fn embed_scale(self, hidden: usize) -> Option<f64> {
+        (self == Family::Gemma3).then(|| (hidden as f64).sqrt())
+    }
+
     fn activation(self) -> Activation {
         if self == Family::Gemma3 { Activation::GeluTanh } else { Activation::Silu }
     }
@@ -259,8 +264,8 @@ struct Layer {
     gate_up: Fused,
     down: Linear,
     gemma: Option<GemmaNorms>,
-    /// Index into the model's rope tables, and the positions this layer attends to (None: all).
-    rope: usize,
+    /// The positions this layer attends to (None: all); a sliding-window layer also takes the
+    /// second rope table.
     window: Option<usize>,
 }
 
@@ -413,7 +418,6 @@ impl LlamaModel {
             let local = cfg.sliding.filter(|s| s.is_local(i));
             layers.push(Layer {
                 gemma,
-                rope: usize::from(local.is_some()),
                 window: local.map(|s| s.window),
                 attn_norm: l.f32(&p("attn_norm.weight"))?,
                 qkv,
@@ -437,7 +441,7 @@ impl LlamaModel {
             .chain(cfg.sliding.map(|s| s.rope_theta))
             .map(|theta| Rope::new(style, cfg.heads.head_dim, theta, cfg.context_length))
             .collect();
-        let embed_scale = cfg.family.gemma_norms().then(|| (cfg.hidden as f64).sqrt());
+        let embed_scale = cfg.family.embed_scale(cfg.hidden);
         let model_id = default_model_id(path);
         let spec = ModelSpec {
             model_id,
@@ -455,6 +459,62 @@ fn per_head_norm(x: &Tensor, weight: &Tensor, head_dim: usize, eps: f32) -> Resu
     let (t, w) = x.dims2()?;
     let heads = x.reshape((t * w / head_dim, head_dim))?;
     Ok(candle_nn::ops::rms_norm(&heads, weight, eps)?.reshape((t, w))?)
+}
+
+/// What every layer of one forward step shares.
+struct Step<'a> {
+    heads: Heads,
+    eps: f32,
+    scale: f32,
+    activation: Activation,
+    ropes: &'a [Rope],
+    device: &'a Device,
+}
+
+impl Layer {
+    /// The residual stream `x` (`[tokens, hidden]`) through attention and the MLP.
+    fn forward(&self, x: Tensor, rows: &[BatchRow<'_>], kv: &mut LayerKv, step: &Step<'_>) -> Result<Tensor> {
+        let x = (&x + self.attend(&x, rows, kv, step)?)?;
+        Ok((&x + self.mlp(&x, step)?)?)
+    }
+
+    fn attend(&self, x: &Tensor, rows: &[BatchRow<'_>], kv: &mut LayerKv, step: &Step<'_>) -> Result<Tensor> {
+        let (heads, eps) = (step.heads, step.eps);
+        let h = candle_nn::ops::rms_norm(x, &self.attn_norm, eps)?;
+        let mut qkv = self.qkv.forward(&h)?;
+        if let Some(g) = &self.gemma {
+            qkv[0] = per_head_norm(&qkv[0], &g.q, heads.head_dim, eps)?;
+            qkv[1] = per_head_norm(&qkv[1], &g.k, heads.head_dim, eps)?;
+        }
+        let mut q = qkv[0].flatten_all()?.to_vec1::<f32>()?;
+        let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
+        let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
+        let q_w = heads.n_head * heads.head_dim;
+        let n_tok = q.len() / q_w;
+        debug_assert_eq!(k.len(), n_tok * heads.n_kv_head * heads.head_dim);
+        let shape = Attention { heads, scale: step.scale, window: self.window };
+        let rope = &step.ropes[usize::from(self.window.is_some())];
+        let attn = paged_attention(rows, &mut q, &mut k, &v, kv, shape, rope);
+        let o = self.wo.forward(&Tensor::from_vec(attn, (n_tok, q_w), step.device)?)?;
+        match &self.gemma {
+            Some(g) => Ok(candle_nn::ops::rms_norm(&o, &g.post_attention, eps)?),
+            None => Ok(o),
+        }
+    }
+
+    fn mlp(&self, x: &Tensor, step: &Step<'_>) -> Result<Tensor> {
+        let h = candle_nn::ops::rms_norm(x, &self.ffn_norm, step.eps)?;
+        let gu = self.gate_up.forward(&h)?;
+        let gate = match step.activation {
+            Activation::Silu => candle_nn::ops::silu(&gu[0])?,
+            Activation::GeluTanh => gu[0].gelu()?,
+        };
+        let d = self.down.forward(&(gate * &gu[1])?)?;
+        match &self.gemma {
+            Some(g) => Ok(candle_nn::ops::rms_norm(&d, &g.post_ffn, step.eps)?),
+            None => Ok(d),
+        }
+    }
 }
 
 /// CPU unless built with `cuda` and a GPU is present.
@@ -499,42 +559,16 @@ impl Backend for LlamaModel {
         if let Some(scale) = self.embed_scale {
             x = x.affine(scale, 0.0)?;
         }
-        let (heads, eps) = (self.cfg.heads, self.cfg.rms_eps);
-        let (q_w, kv_w) = (heads.n_head * heads.head_dim, heads.n_kv_head * heads.head_dim);
-        let scale = self.cfg.attention_scale();
-        let activation = self.cfg.family.activation();
-
+        let step = Step {
+            heads: self.cfg.heads,
+            eps: self.cfg.rms_eps,
+            scale: self.cfg.attention_scale(),
+            activation: self.cfg.family.activation(),
+            ropes: &self.ropes,
+            device: &self.device,
+        };
         for (layer, kv) in self.layers.iter().zip(self.kv.iter_mut()) {
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let mut qkv = layer.qkv.forward(&h)?;
-            if let Some(g) = &layer.gemma {
-                qkv[0] = per_head_norm(&qkv[0], &g.q, heads.head_dim, eps)?;
-                qkv[1] = per_head_norm(&qkv[1], &g.k, heads.head_dim, eps)?;
-            }
-            let mut q = qkv[0].flatten_all()?.to_vec1::<f32>()?;
-            let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
-            let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
-            debug_assert_eq!((q.len(), k.len()), (n_tok * q_w, n_tok * kv_w));
-            let shape = Attention { heads, scale, window: layer.window };
-            let attn = paged_attention(rows, &mut q, &mut k, &v, kv, shape, &self.ropes[layer.rope]);
-            let attn = Tensor::from_vec(attn, (n_tok, q_w), &self.device)?;
-            let mut o = layer.wo.forward(&attn)?;
-            if let Some(g) = &layer.gemma {
-                o = candle_nn::ops::rms_norm(&o, &g.post_attention, eps)?;
-            }
-            x = (x + o)?;
-
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let gu = layer.gate_up.forward(&h)?;
-            let gate = match activation {
-                Activation::Silu => candle_nn::ops::silu(&gu[0])?,
-                Activation::GeluTanh => gu[0].gelu()?,
-            };
-            let mut d = layer.down.forward(&(gate * &gu[1])?)?;
-            if let Some(g) = &layer.gemma {
-                d = candle_nn::ops::rms_norm(&d, &g.post_ffn, eps)?;
-            }
-            x = (x + d)?;
+            x = layer.forward(x, rows, kv, &step)?;
         }
 
         // Only the rows being sampled need the (large) vocabulary projection.

@@ -43,7 +43,7 @@ fn merges_by_score(tokens: &[&str], scores: &[f32], kinds: &[TokenKind]) -> Vec<
             }
         }
     }
-    // Higher score first; ties (splits of one piece) by the left part's length, then stable.
+    // Higher score first; equal scores by piece id, then (splits of one piece) by the left part's length.
     ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
     ranked.into_iter().map(|(_, _, _, l, r)| (l.to_owned(), r.to_owned())).collect()
 }
