@@ -17,6 +17,7 @@ use bellows_router::{
     cluster::{Cluster, ModelPool},
     metrics::Metrics,
     placement::{self, PolicyKind, PromptShape},
+    shards::Shards,
     tenants::Usage,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -62,7 +63,7 @@ struct Report {
 pub fn run(rt: &tokio::runtime::Runtime, args: Args) -> anyhow::Result<()> {
     let addresses = std::fs::read_to_string(&args.addresses_file)?;
     let addresses: Vec<&str> = addresses.trim().split(',').filter(|a| !a.is_empty()).collect();
-    let cluster = Cluster::new(Metrics::new(&Usage::new()), usize::MAX, None);
+    let cluster = Cluster::new(Metrics::new(&Usage::new()), usize::MAX, None, Shards::single());
     let pool = rt.block_on(follow(&cluster, &addresses))?;
     let tenants = warm(&pool, &args);
     let policy = placement::policy(args.policy);

@@ -39,8 +39,8 @@ pub struct RouterArgs {
     /// Largest request body accepted; larger ones get 413.
     #[arg(long, env = "BELLOWS_MAX_BODY_BYTES", default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
-    /// Threads that serve HTTP and talk to workers [default: the number of CPUs]. One thread
-    /// cost 17-30% less CPU per request on 2 cores (no hand-offs between threads) and serves
+    /// Threads that serve HTTP and talk to workers, each with its own share of the connections
+    /// and its own stream to each worker [default: the number of CPUs]. One thread serves
     /// thousands of requests a second: right for a small or shared machine (docs/BENCHMARKS.md).
     #[arg(long, env = "BELLOWS_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
@@ -107,6 +107,11 @@ impl RouterArgs {
     /// Endpoints actually given (an empty environment variable means none).
     pub fn etcd_endpoints(&self) -> Vec<String> {
         non_empty(&self.etcd_endpoints)
+    }
+
+    /// How many shards serve requests (see [`crate::shards`]).
+    pub fn shard_count(&self) -> usize {
+        self.threads.map_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()), usize::from)
     }
 
     pub fn static_workers(&self) -> Vec<String> {

@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod dispatch;
 pub mod metrics;
 pub mod placement;
+pub mod shards;
 pub mod tenants;
 pub mod tokenize;
 pub mod tools;
@@ -22,8 +23,11 @@ use std::{
 };
 
 use anyhow::Context;
-use axum::serve::ListenerExt;
-use bellows_common::{priority::Priority, tls::RELOAD_EVERY};
+use bellows_common::{
+    priority::Priority,
+    tls::{HttpTls, RELOAD_EVERY},
+};
+use tokio::sync::watch;
 
 use crate::{
     admission::Admission,
@@ -32,6 +36,7 @@ use crate::{
     cluster::Cluster,
     dispatch::Dispatcher,
     metrics::Metrics,
+    shards::{ShardListener, Shards},
     tenants::{AdminKey, FairQueue, FairQueueConfig, RELOAD_INTERVAL, Tenants, Usage},
     tokenize::TokenizerPool,
 };
@@ -39,9 +44,9 @@ use crate::{
 /// How often the fair queue looks for room freed under the global cap.
 const FAIR_QUEUE_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
-/// Build the router's state and start discovery (needs a tokio runtime). `port` is the HTTP
-/// port, for the default router id.
-pub fn start(args: &RouterArgs, port: u16) -> anyhow::Result<Arc<AppState>> {
+/// Build the router's state and start discovery (needs a tokio runtime: shard 0 of `shards`).
+/// `port` is the HTTP port, for the default router id.
+pub fn start(args: &RouterArgs, port: u16, shards: Arc<Shards>) -> anyhow::Result<Arc<AppState>> {
     let usage = Arc::new(Usage::new());
     let metrics = Metrics::new(&usage);
     let tls = args.tls.load()?;
@@ -51,7 +56,7 @@ pub fn start(args: &RouterArgs, port: u16) -> anyhow::Result<Arc<AppState>> {
         }
         Some(tls) => tls.spawn_reloader(RELOAD_EVERY),
     }
-    let cluster = Cluster::new(metrics.clone(), args.prefix_index_entries, tls);
+    let cluster = Cluster::new(metrics.clone(), args.prefix_index_entries, tls, shards);
     cluster::discovery::join_static(&cluster, &args.static_workers());
 
     let admin = args.admin_key_file.as_deref().map(AdminKey::from_file).transpose()?;
@@ -143,7 +148,8 @@ fn fair_queue(
     Some(queue)
 }
 
-/// Serve until SIGTERM or SIGINT; in-flight requests finish first.
+/// Serve until SIGTERM or SIGINT; in-flight requests finish first. Runs on shard 0 (see
+/// [`shards`]), which starts the others.
 pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         !args.static_workers().is_empty() || !args.etcd_endpoints().is_empty(),
@@ -153,23 +159,47 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let addr = listener.local_addr()?;
-    let state = start(&args, addr.port())?;
+    let shards = Shards::start(args.shard_count()).context("starting the shards' threads")?;
+    let state = start(&args, addr.port(), shards.clone())?;
     let scheme = if http_tls.is_some() { "https" } else { "http" };
-    tracing::info!(%addr, policy = args.policy.as_str(), scheme, "bellows-router listening");
+    tracing::info!(%addr, policy = args.policy.as_str(), scheme, threads = shards.len(), "bellows-router listening");
     println!("bellows-router listening on {scheme}://{addr}");
-    if let Some(tls) = http_tls {
+    if let Some(tls) = &http_tls {
         tls.spawn_reloader(RELOAD_EVERY);
-        let listener = TlsListener::new(listener, &tls)?;
-        axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown_signal()).await?;
-        return Ok(());
     }
-    // Streamed tokens are small writes: without TCP_NODELAY each waits for the client's delayed
-    // ACK (40 ms on Linux).
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown_signal()).await?;
+    let (stop, stopping) = watch::channel(false);
+    let (listeners, acceptor) = shards.distribute(listener)?;
+    let app = api::router(state);
+    let served: Vec<_> = (listeners.into_iter().enumerate())
+        .map(|(shard, listener)| {
+            let served = serve_shard(listener, app.clone(), http_tls.clone(), stopping.clone());
+            shards.handle(shard).spawn(served)
+        })
+        .collect();
+    shutdown_signal().await;
+    // New connections are refused at once; each shard finishes the requests it has.
+    acceptor.abort();
+    let _ = stop.send(true);
+    for shard in served {
+        shard.await??;
+    }
     Ok(())
+}
+
+/// One shard's HTTP server, until `stopping` turns true and its connections are done.
+async fn serve_shard(
+    listener: ShardListener,
+    app: axum::Router,
+    tls: Option<HttpTls>,
+    mut stopping: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let stopped = async move {
+        let _ = stopping.wait_for(|stop| *stop).await;
+    };
+    match tls {
+        Some(tls) => axum::serve(TlsListener::new(listener, &tls)?, app).with_graceful_shutdown(stopped).await,
+        None => axum::serve(listener, app).with_graceful_shutdown(stopped).await,
+    }
 }
 
 async fn shutdown_signal() {

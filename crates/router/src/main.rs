@@ -8,11 +8,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
     let args = RouterArgs::parse();
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = args.threads {
-        runtime.worker_threads(usize::from(n));
-    }
-    let runtime = runtime.enable_all().build()?;
+    // Shard 0 (see the router's `shards`): the others are started by `run`.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async {
         let telemetry = bellows_common::telemetry::init("bellows-router", args.log_format);
         let result = bellows_router::run(args).await;

@@ -1,11 +1,12 @@
 //! One multiplexed Session stream per worker: what it must keep true that one stream per request
 //! gave for free. A router that dies frees its work on the worker at once; one slow client on the
 //! stream does not hold up the others; a worker that speaks only the older protocol is still
-//! served, per request.
+//! served, per request. A router opens one session per thread, each serving its own share of
+//! the HTTP connections.
 
 use std::time::{Duration, Instant};
 
-use bellows_integration::{Router, Worker, eventually, sim};
+use bellows_integration::{Router, Worker, eventually, free_port, sim};
 use bellows_proto::worker::v1 as pb;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -125,4 +126,53 @@ async fn a_worker_speaking_only_generate_is_served_with_a_call_per_request() {
         assert_eq!(choices[0].1, "length", "{choices:?}");
         assert_eq!(choices[0].0.split_whitespace().count(), 12, "{choices:?}");
     }
+}
+
+/// The worker's `bellows_worker_sessions` gauge, from its metrics port.
+async fn open_sessions(metrics: &str) -> f64 {
+    let text = reqwest::get(format!("http://{metrics}/metrics")).await.unwrap().text().await.unwrap();
+    let line = text.lines().find(|l| l.starts_with("bellows_worker_sessions ")).expect("the sessions gauge");
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn each_router_thread_serves_its_own_connections_over_a_session_of_its_own() {
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut args = sim(r#"{"base_us": 2000, "per_token_us": 0, "per_sequence_us": 0}"#);
+    args.extend(["--metrics-listen".to_string(), metrics.clone()]);
+    let worker = Worker::start(&args).await;
+    let mut router = Router::with_workers(&[&worker], &["--threads", "3"]).await;
+    eventually("one session per router thread", Duration::from_secs(10), || async {
+        (open_sessions(&metrics).await == 3.0).then_some(())
+    })
+    .await;
+
+    // Connections go to the threads in turn: six clients of their own cover every thread twice,
+    // and every answer arrives whole, side by side.
+    let answers = futures_util::future::join_all((0..6).map(|i| {
+        let router = &router;
+        async move {
+            let body = json!({"model": "sim", "prompt": [i + 1, 2], "max_tokens": 40, "ignore_eos": true,
+                              "stream": i % 2 == 0, "stream_options": {"include_usage": true}});
+            let client = reqwest::Client::new();
+            let response = client.post(router.url("/v1/completions")).json(&body).send().await.unwrap();
+            assert_eq!(response.status(), 200);
+            if i % 2 == 0 {
+                let events = bellows_integration::sse(response).await;
+                events.iter().rev().find_map(|e| e["usage"]["completion_tokens"].as_u64())
+            } else {
+                let answer: Value = response.json().await.unwrap();
+                answer["usage"]["completion_tokens"].as_u64()
+            }
+        }
+    }))
+    .await;
+    assert_eq!(answers, vec![Some(40); 6]);
+    assert_eq!(open_sessions(&metrics).await, 3.0, "no session was opened again");
+
+    router.process.kill();
+    eventually("the dead router's sessions are closed", Duration::from_secs(5), || async {
+        (open_sessions(&metrics).await == 0.0).then_some(())
+    })
+    .await;
 }

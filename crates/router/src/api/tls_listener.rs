@@ -1,13 +1,16 @@
-//! The HTTP listener over TLS (`--http-tls-cert`, `--http-tls-key`): connections are accepted,
-//! set to TCP_NODELAY like the plaintext ones, and handed to axum once their handshake is done;
-//! handshakes run side by side, so a slow or silent client holds up no other.
+//! The HTTP listener over TLS (`--http-tls-cert`, `--http-tls-key`): a shard's connections are
+//! handed to axum once their handshake is done; handshakes run side by side, so a slow or
+//! silent client holds up no other.
 
 use std::{net::SocketAddr, pin::Pin};
 
+use axum::serve::Listener;
 use bellows_common::tls::HttpTls;
 use futures_util::{Stream, StreamExt, stream};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
+
+use crate::shards::ShardListener;
 
 type Accepted = Pin<Box<dyn Stream<Item = (TlsStream<TcpStream>, SocketAddr)> + Send>>;
 
@@ -17,19 +20,14 @@ pub struct TlsListener {
 }
 
 impl TlsListener {
-    pub fn new(listener: TcpListener, tls: &HttpTls) -> std::io::Result<Self> {
+    pub fn new(listener: ShardListener, tls: &HttpTls) -> std::io::Result<Self> {
         let local = listener.local_addr()?;
-        let incoming = stream::unfold(listener, |l| async move {
-            let accepted = l.accept().await.inspect(|(tcp, _)| {
-                let _ = tcp.set_nodelay(true);
-            });
-            Some((accepted, l))
-        });
+        let incoming = stream::unfold(listener, |mut l| async move { Some((Ok(l.accept().await), l)) });
         Ok(TlsListener { accepted: Box::pin(tls.accept(incoming)), local })
     }
 }
 
-impl axum::serve::Listener for TlsListener {
+impl Listener for TlsListener {
     type Io = TlsStream<TcpStream>;
     type Addr = SocketAddr;
 

@@ -7,10 +7,12 @@
 //! the worker out of placement at once and forgets its cached blocks; the link reconnects in the
 //! background and the worker's next snapshot restores them.
 //!
-//! A worker that speaks protocol 2 gets every request on one Session stream (see
-//! [`super::session`]), opened with the load stream and followed by the same task: the link is up
-//! only while both are, and either breaking takes it down and starts it over. An older worker
-//! gets a Generate call per request.
+//! A worker that speaks protocol 2 gets every request on a Session stream (see
+//! [`super::session`]): one per shard, each on its shard's own connection and read on its shard
+//! (see [`crate::shards`]), so a request's answers never change threads on their way to its
+//! client. They are opened with the load stream, which is followed on shard 0: the link is up
+//! only while all of them are, and any breaking takes it down and starts it over. An older
+//! worker gets a Generate call per request.
 //!
 //! A worker that leaves (it deregistered to drain, or moved) gets no new request, but the
 //! requests already on its session finish there: the link is *retired*, and its session closes
@@ -33,7 +35,11 @@ use std::{
 
 use bellows_common::{priority::Priority, telemetry, tls::TlsConnector};
 use bellows_proto::worker::v1::{self as pb, worker_client::WorkerClient};
-use tokio::{sync::mpsc, task::JoinHandle};
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::{
+    sync::{mpsc, oneshot},
+    task::{JoinError, JoinHandle},
+};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
@@ -43,6 +49,7 @@ use super::{
     queue::{QueueTotals, Share},
     session::SessionChannel,
 };
+use crate::shards::Shards;
 
 /// The largest message a worker may send: ModelInfo carries the whole tokenizer.json, which for
 /// Gemma 3's 262,144-token vocabulary and its merges is far over tonic's default limit of 4 MiB.
@@ -99,8 +106,8 @@ struct LinkState {
     published: Share,
     /// From the worker's ModelInfo.
     context_length: u32,
-    /// The worker's Session stream while the link is up, if it speaks protocol 2.
-    session: Option<Arc<SessionChannel>>,
+    /// The worker's Session streams while the link is up, by shard, if it speaks protocol 2.
+    sessions: Vec<Arc<SessionChannel>>,
     /// The worker's protocol version (ModelInfo).
     protocol_version: u32,
 }
@@ -138,7 +145,10 @@ pub struct WorkerLink {
     /// A hash of `node_id`, for placement that must agree across routers.
     pub stable_id: u64,
     pub address: String,
+    /// On shard 0: ModelInfo, the load stream, and Generate calls to an older worker.
     client: WorkerClient<Channel>,
+    connect: Connect,
+    shards: Arc<Shards>,
     state: Mutex<LinkState>,
     queue: Arc<QueueTotals>,
     next_pending: AtomicU64,
@@ -152,8 +162,29 @@ impl std::fmt::Debug for WorkerLink {
     }
 }
 
+/// How to reach the worker: a connection belongs to the runtime it is made on, so each shard
+/// makes its own.
+#[derive(Clone)]
+struct Connect {
+    endpoint: Endpoint,
+    tls: Option<TlsConnector>,
+}
+
+impl Connect {
+    /// A client whose connection lives on the calling runtime. With TLS the connector does the
+    /// handshake (certificates current at each connection): the URI's scheme stays http.
+    fn client(&self) -> WorkerClient<Channel> {
+        let channel = match &self.tls {
+            Some(connector) => self.endpoint.connect_with_connector_lazy(connector.clone()),
+            None => self.endpoint.connect_lazy(),
+        };
+        WorkerClient::new(channel).max_decoding_message_size(MAX_WORKER_MESSAGE)
+    }
+}
+
 impl WorkerLink {
-    /// A link to `address` (host:port) that maintains itself until [`WorkerLink::close`].
+    /// A link to `address` (host:port) that maintains itself until [`WorkerLink::close`]. Runs
+    /// on shard 0.
     pub(super) fn spawn(
         id: WorkerId,
         node_id: &str,
@@ -161,9 +192,8 @@ impl WorkerLink {
         tls: Option<TlsConnector>,
         cluster: Weak<Cluster>,
         queue: Arc<QueueTotals>,
+        shards: Arc<Shards>,
     ) -> anyhow::Result<Arc<Self>> {
-        // With TLS the connector does the handshake (certificates current at each connection):
-        // the URI's scheme stays http.
         let endpoint = Endpoint::from_shared(format!("http://{address}"))?
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
@@ -171,16 +201,15 @@ impl WorkerLink {
             .keep_alive_timeout(Duration::from_secs(5))
             .initial_stream_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW);
+        let connect = Connect { endpoint, tls };
         let link = Arc::new(WorkerLink {
             id,
             node_id: node_id.to_string(),
             stable_id: xxhash_rust::xxh3::xxh3_64(node_id.as_bytes()),
             address: address.to_string(),
-            client: WorkerClient::new(match tls {
-                Some(connector) => endpoint.connect_with_connector_lazy(connector),
-                None => endpoint.connect_lazy(),
-            })
-            .max_decoding_message_size(MAX_WORKER_MESSAGE),
+            client: connect.client(),
+            connect,
+            shards,
             state: Mutex::new(LinkState::default()),
             queue,
             next_pending: AtomicU64::new(0),
@@ -196,12 +225,12 @@ impl WorkerLink {
     /// requests on its session are done (see the module doc).
     pub(super) fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
-        let session = self.state.lock().expect("link state lock").session.clone();
+        let sessions = self.state.lock().expect("link state lock").sessions.clone();
         self.set_unplaceable();
         let Some(task) = self.task.lock().expect("link task lock").take() else { return };
-        match (session, tokio::runtime::Handle::try_current()) {
-            (Some(session), Ok(runtime)) if session.in_flight() > 0 => {
-                runtime.spawn(retire(session, task));
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if in_flight(&sessions) > 0 => {
+                runtime.spawn(retire(sessions, task));
             }
             _ => task.abort(),
         }
@@ -217,12 +246,13 @@ impl WorkerLink {
         if speaks_session(protocol_version) { "Session" } else { "Generate" }
     }
 
-    /// Send `request` to the worker and wait until it accepts it; `span` is the attempt's span,
-    /// whose trace the worker continues.
+    /// Send `request` to the worker, on the calling shard's session, and wait until it accepts
+    /// it; `span` is the attempt's span, whose trace the worker continues.
     pub async fn open(&self, request: pb::GenerateRequest, span: &tracing::Span) -> Result<WorkerCall, WorkerError> {
         let (session, protocol_version) = {
             let s = self.state.lock().expect("link state lock");
-            (s.session.clone(), s.protocol_version)
+            let shard = Shards::current();
+            (s.sessions.get(shard).or(s.sessions.first()).cloned(), s.protocol_version)
         };
         if let Some(session) = session {
             return session.open(request, telemetry::inject_map(span)).await.map(WorkerCall::Session);
@@ -301,7 +331,7 @@ impl WorkerLink {
     fn set_unplaceable(&self) {
         self.update(|s| {
             s.placeable = false;
-            s.session = None;
+            s.sessions.clear();
         });
     }
 
@@ -351,10 +381,15 @@ impl Drop for Dispatched {
     }
 }
 
-/// Let a retired link's session carry its requests to their end, then stop its task.
-async fn retire(session: Arc<SessionChannel>, task: JoinHandle<()>) {
+/// Requests on `sessions` that have not had their last answer.
+fn in_flight(sessions: &[Arc<SessionChannel>]) -> usize {
+    sessions.iter().map(|s| s.in_flight()).sum()
+}
+
+/// Let a retired link's sessions carry their requests to their end, then stop its task.
+async fn retire(sessions: Vec<Arc<SessionChannel>>, task: JoinHandle<()>) {
     let deadline = tokio::time::Instant::now() + RETIRE_LIMIT;
-    while session.in_flight() > 0 && !task.is_finished() && tokio::time::Instant::now() < deadline {
+    while in_flight(&sessions) > 0 && !task.is_finished() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(RETIRE_POLL).await;
     }
     task.abort();
@@ -416,8 +451,8 @@ fn speaks_session(protocol_version: u32) -> bool {
     protocol_version >= bellows_proto::SESSION_PROTOCOL
 }
 
-/// One life of the link: ModelInfo, the pool, the session (protocol 2), then the load stream
-/// and the session's answers until either ends.
+/// One life of the link: ModelInfo, the pool, the sessions (protocol 2), then the load stream
+/// and the sessions' answers until any ends.
 async fn follow(
     link: &Arc<WorkerLink>,
     cluster: &Arc<Cluster>,
@@ -432,30 +467,93 @@ async fn follow(
         s.protocol_version = info.protocol_version;
     }
     let pool = cluster.attach(link, &info)?;
-    let session = if speaks_session(info.protocol_version) {
-        let (frames, outgoing) = mpsc::unbounded_channel();
-        let answers = client.session(UnboundedReceiverStream::new(outgoing)).await?.into_inner();
-        Some((SessionChannel::new(frames, cluster.metrics.session_buffered.clone()), answers))
+    let sessions = if speaks_session(info.protocol_version) {
+        let buffered = &cluster.metrics.session_buffered;
+        Some(ShardSessions::open(&link.shards, &link.connect, buffered).await?)
     } else {
         None
     };
     let stream = client.watch_load(pb::WatchLoadRequest {}).await?.into_inner();
-    let Some((channel, mut answers)) = session else {
+    let Some(mut sessions) = sessions else {
         return watch_load(link, cluster, &pool, stream, backoff, was_up).await;
     };
-    link.state.lock().expect("link state lock").session = Some(channel.clone());
-    let _closing = channel.closing();
-    let demux = channel.demux(&mut answers);
-    tokio::pin!(demux);
+    link.state.lock().expect("link state lock").sessions = sessions.channels.clone();
     tokio::select! {
         r = watch_load(link, cluster, &pool, stream, backoff, was_up) => {
             if r.as_ref().is_err_and(|e| e.is::<LoadStreamEnded>()) {
                 link.set_unplaceable();
-                let _ = tokio::time::timeout(SESSION_GRACE, &mut demux).await;
+                let _ = tokio::time::timeout(SESSION_GRACE, sessions.all_ended()).await;
             }
             r
         }
-        r = &mut demux => r,
+        r = sessions.first_ended() => r,
+    }
+}
+
+/// A link's Session streams, one per shard, each read by a task on its shard. Dropping this
+/// stops the readers, which closes the channels (each reader holds its [`Closing`] guard).
+///
+/// [`Closing`]: super::session::Closing
+struct ShardSessions {
+    channels: Vec<Arc<SessionChannel>>,
+    readers: Vec<JoinHandle<anyhow::Result<()>>>,
+}
+
+impl ShardSessions {
+    /// Open a session on every shard, each over a connection of that shard's own.
+    async fn open(shards: &Shards, connect: &Connect, buffered: &Gauge) -> anyhow::Result<Self> {
+        let mut sessions = ShardSessions { channels: Vec::new(), readers: Vec::new() };
+        let mut opened = Vec::new();
+        for shard in 0..shards.len() {
+            let (tx, rx) = oneshot::channel();
+            let (connect, buffered) = (connect.clone(), buffered.clone());
+            sessions.readers.push(shards.handle(shard).spawn(async move {
+                let mut client = connect.client();
+                let (frames, outgoing) = mpsc::unbounded_channel();
+                let mut answers = client.session(UnboundedReceiverStream::new(outgoing)).await?.into_inner();
+                let channel = SessionChannel::new(frames, buffered);
+                let _closing = channel.closing();
+                let _ = tx.send(channel.clone());
+                channel.demux(&mut answers).await
+            }));
+            opened.push(rx);
+        }
+        for (rx, reader) in opened.into_iter().zip(&mut sessions.readers) {
+            match rx.await {
+                Ok(channel) => sessions.channels.push(channel),
+                // The reader ended before its session opened: why.
+                Err(_) => return Err(ended(reader.await)),
+            }
+        }
+        Ok(sessions)
+    }
+
+    /// Why the first reader to end did.
+    async fn first_ended(&mut self) -> anyhow::Result<()> {
+        let (first, _, _) = futures_util::future::select_all(self.readers.iter_mut()).await;
+        Err(ended(first))
+    }
+
+    /// Until every reader has ended.
+    async fn all_ended(&mut self) {
+        futures_util::future::join_all(self.readers.iter_mut()).await;
+    }
+}
+
+impl Drop for ShardSessions {
+    fn drop(&mut self) {
+        for reader in &self.readers {
+            reader.abort();
+        }
+    }
+}
+
+/// A session reader's end as the link's error.
+fn ended(reader: Result<anyhow::Result<()>, JoinError>) -> anyhow::Error {
+    match reader {
+        Ok(Err(e)) => e,
+        Ok(Ok(())) => anyhow::anyhow!("session stream ended"),
+        Err(e) => anyhow::anyhow!("session reader stopped: {e}"),
     }
 }
 
@@ -509,7 +607,9 @@ mod tests {
 
     fn link(id: u64, queue: &Arc<QueueTotals>) -> Arc<WorkerLink> {
         // No cluster: the link's task ends at once, leaving its state to the test.
-        WorkerLink::spawn(WorkerId(id), &format!("w{id}"), "127.0.0.1:9", None, Weak::new(), queue.clone()).unwrap()
+        let shards = Shards::single();
+        WorkerLink::spawn(WorkerId(id), &format!("w{id}"), "127.0.0.1:9", None, Weak::new(), queue.clone(), shards)
+            .unwrap()
     }
 
     fn report(sequence: u64, waiting_requests: u32, waiting_prompt_tokens: u64) -> pb::LoadReport {

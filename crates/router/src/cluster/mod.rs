@@ -26,7 +26,10 @@ use std::{
 use bellows_common::{priority::Priority, tls::ClusterTls};
 use bellows_proto::worker::v1 as pb;
 
-use crate::metrics::{ChangeLabels, Metrics, ModelLabels, PriorityLabels, WorkerLabels};
+use crate::{
+    metrics::{ChangeLabels, Metrics, ModelLabels, PriorityLabels, WorkerLabels},
+    shards::Shards,
+};
 
 pub use call::{Reply, WorkerCall, WorkerError};
 pub use link::{Dispatched, Load, WorkerLink};
@@ -52,13 +55,16 @@ pub struct Cluster {
     queue: Arc<QueueTotals>,
     /// Mutual TLS to the workers; `None`: plaintext.
     tls: Option<ClusterTls>,
+    /// Each link opens a session on every shard.
+    shards: Arc<Shards>,
 }
 
 impl Cluster {
     /// `index_budget`: see [`prefix_index`]'s memory bound.
-    pub fn new(metrics: Arc<Metrics>, index_budget: usize, tls: Option<ClusterTls>) -> Arc<Self> {
+    pub fn new(metrics: Arc<Metrics>, index_budget: usize, tls: Option<ClusterTls>, shards: Arc<Shards>) -> Arc<Self> {
         Arc::new(Cluster {
             tls,
+            shards,
             metrics,
             next_id: AtomicU64::new(0),
             links: RwLock::default(),
@@ -88,7 +94,8 @@ impl Cluster {
                 return;
             }
         };
-        match WorkerLink::spawn(id, node_id, address, tls, Arc::downgrade(self), self.queue.clone()) {
+        let (cluster, queue, shards) = (Arc::downgrade(self), self.queue.clone(), self.shards.clone());
+        match WorkerLink::spawn(id, node_id, address, tls, cluster, queue, shards) {
             Ok(link) => {
                 tracing::info!(worker = node_id, address, "worker joined");
                 self.metrics.membership_changes.get_or_create(&ChangeLabels { change: "join" }).inc();

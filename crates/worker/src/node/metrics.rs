@@ -99,6 +99,25 @@ impl Refusal {
 pub struct NodeMetrics {
     engine: OnceLock<EngineHandle>,
     refused: [AtomicU64; Refusal::ALL.len()],
+    /// Session streams open now (see [`OpenSession`]).
+    sessions: AtomicU64,
+}
+
+/// One open Session stream, counted in `bellows_worker_sessions` until it is dropped: each
+/// router thread holds one (a router that died holds none).
+pub struct OpenSession(Arc<NodeMetrics>);
+
+impl OpenSession {
+    pub fn new(metrics: &Arc<NodeMetrics>) -> Self {
+        metrics.sessions.fetch_add(1, Relaxed);
+        OpenSession(metrics.clone())
+    }
+}
+
+impl Drop for OpenSession {
+    fn drop(&mut self) {
+        self.0.sessions.fetch_sub(1, Relaxed);
+    }
 }
 
 impl fmt::Debug for NodeMetrics {
@@ -148,7 +167,13 @@ impl NodeMetrics {
 impl Collector for NodeMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
         let s = self.engine.get().map(EngineHandle::stats).unwrap_or_default();
-        encode_snapshot(&mut enc, &s, self.refusals())
+        encode_snapshot(&mut enc, &s, self.refusals())?;
+        gauge(
+            &mut enc,
+            "sessions",
+            "Session streams open from routers (one per router thread)",
+            self.sessions.load(Relaxed),
+        )
     }
 }
 
@@ -324,7 +349,8 @@ impl Worker for Counted {
     ) -> Result<Response<SessionStream>, Status> {
         // The session is not a request: only the requests it refuses count.
         let metrics = self.metrics.clone();
-        self.inner.session_counted(request, Arc::new(move |code| metrics.refused(code))).await
+        let answer = self.inner.session_counted(request, Arc::new(move |code| metrics.refused(code))).await;
+        answer.map(|r| r.map(|session| session.held_with(OpenSession::new(&self.metrics))))
     }
 
     async fn model_info(

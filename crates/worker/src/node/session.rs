@@ -31,6 +31,7 @@ use tonic::{Status, Streaming};
 
 use super::{
     grpc::{GenerateStream, WorkerService, request_span},
+    metrics::OpenSession,
     status::session_error,
 };
 
@@ -53,6 +54,8 @@ pub struct SessionStream {
     /// Resolves when the node closes: the session ends so the server can stop.
     closed: BoxFuture<'static, ()>,
     refused: Arc<dyn Fn(tonic::Code) + Send + Sync>,
+    /// Kept for as long as the stream lives (a count of open sessions).
+    held: Option<OpenSession>,
 }
 
 impl SessionStream {
@@ -71,7 +74,14 @@ impl SessionStream {
             cancelled: HashSet::new(),
             closed,
             refused,
+            held: None,
         }
+    }
+
+    /// Keep `held` until the session ends.
+    pub fn held_with(mut self, held: OpenSession) -> Self {
+        self.held = Some(held);
+        self
     }
 
     /// Act on one frame from the router; an answer to send at once, if any.
