@@ -19,11 +19,11 @@
 //! once they have (or after [`RETIRE_LIMIT`]). Closing it at once would cancel them on the
 //! worker, and a draining worker's streams would all migrate instead of finishing.
 //!
-//! A worker that closes ends its load stream and its session together, once its last request
-//! is done; the session's last answers may still be on the wire when the load stream's end
-//! arrives. So a load stream that *ended* (not one that broke or went silent) lets the session
-//! run to its own end, for at most [`SESSION_GRACE`]: cutting it there would fail requests the
-//! worker had finished.
+//! A worker that closes ends its load stream and its sessions together, once its last request
+//! is done; each travels on its own connection, so one session's last answers may still be on
+//! the wire when the load stream's end, or another session's, arrives. So a stream that *ended*
+//! (not one that broke or went silent) lets the sessions run to their own ends, for at most
+//! [`SESSION_GRACE`]: cutting them there would fail requests the worker had finished.
 
 use std::{
     sync::{
@@ -486,9 +486,20 @@ async fn follow(
             }
             r
         }
-        r = sessions.first_ended() => r,
+        r = sessions.first_ended() => {
+            if r.as_ref().is_err_and(|e| e.is::<SessionEnded>()) {
+                link.set_unplaceable();
+                let _ = tokio::time::timeout(SESSION_GRACE, sessions.all_ended()).await;
+            }
+            r
+        }
     }
 }
+
+/// The worker ended a session: it is closing (see the module doc).
+#[derive(Debug, thiserror::Error)]
+#[error("session stream ended")]
+struct SessionEnded;
 
 /// A link's Session streams, one per shard, each read by a task on its shard. Dropping this
 /// stops the readers, which closes the channels (each reader holds its [`Closing`] guard).
@@ -534,9 +545,9 @@ impl ShardSessions {
         Err(ended(first))
     }
 
-    /// Until every reader has ended.
+    /// Until every reader has ended (one already awaited is not awaited again).
     async fn all_ended(&mut self) {
-        futures_util::future::join_all(self.readers.iter_mut()).await;
+        futures_util::future::join_all(self.readers.iter_mut().filter(|r| !r.is_finished())).await;
     }
 }
 
@@ -552,7 +563,7 @@ impl Drop for ShardSessions {
 fn ended(reader: Result<anyhow::Result<()>, JoinError>) -> anyhow::Error {
     match reader {
         Ok(Err(e)) => e,
-        Ok(Ok(())) => anyhow::anyhow!("session stream ended"),
+        Ok(Ok(())) => SessionEnded.into(),
         Err(e) => anyhow::anyhow!("session reader stopped: {e}"),
     }
 }

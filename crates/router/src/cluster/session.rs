@@ -77,13 +77,14 @@ impl SessionChannel {
         self.routes.lock().expect("session routes lock").as_ref().map_or(0, HashMap::len)
     }
 
-    /// Route every frame of the worker's stream to its request until the stream ends. Never
-    /// waits on a request. The caller holds a [`Closing`] guard for as long as it reads.
+    /// Route every frame of the worker's stream to its request until the stream ends: `Ok` if
+    /// the worker ended it (it is closing), an error if it broke. Never waits on a request. The
+    /// caller holds a [`Closing`] guard for as long as it reads.
     pub async fn demux(&self, stream: &mut tonic::Streaming<pb::SessionResponse>) -> anyhow::Result<()> {
         loop {
             match stream.message().await {
                 Ok(Some(frame)) => self.route(frame),
-                Ok(None) => anyhow::bail!("session stream ended"),
+                Ok(None) => return Ok(()),
                 Err(status) => anyhow::bail!("session stream failed: {}", status.message()),
             }
         }
