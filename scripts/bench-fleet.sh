@@ -8,6 +8,7 @@
 # one router over the largest fleet.
 #   usage: scripts/bench-fleet.sh
 #   env:   SIZES (default "100 300 1000"), CONNECTIONS (32), REQUESTS (6000), FOLLOW_S (10),
+#          ROUTER_FLAGS (extra router flags for the per-size runs, e.g. "--threads 1"),
 #          STREAMS (10000; 0 skips the phase), STREAM_TOKENS (20, at 500 ms a step)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -84,7 +85,7 @@ print(f"placement histogram ({count:.0f} placements):", ", ".join(
 for nodes in $sizes; do
     echo "== $nodes nodes"
     start_fleet "$nodes"
-    start_router "$nodes"
+    start_router "$nodes" ${ROUTER_FLAGS:-}
     r0=$(cpu_ms "$router"); f0=$(cpu_ms "$fleet")
     sleep "$follow_s"
     r1=$(cpu_ms "$router"); f1=$(cpu_ms "$fleet")

@@ -63,7 +63,12 @@ struct Report {
 pub fn run(rt: &tokio::runtime::Runtime, args: Args) -> anyhow::Result<()> {
     let addresses = std::fs::read_to_string(&args.addresses_file)?;
     let addresses: Vec<&str> = addresses.trim().split(',').filter(|a| !a.is_empty()).collect();
-    let cluster = Cluster::new(Metrics::new(&Usage::new()), usize::MAX, None, Shards::single());
+    // The cluster's links run on `rt`: its one shard.
+    let shards = {
+        let _in_runtime = rt.enter();
+        Shards::single()
+    };
+    let cluster = Cluster::new(Metrics::new(&Usage::new()), usize::MAX, None, shards);
     let pool = rt.block_on(follow(&cluster, &addresses))?;
     let tenants = warm(&pool, &args);
     let policy = placement::policy(args.policy);

@@ -58,6 +58,7 @@ impl Shards {
     }
 
     /// One shard: the current runtime (tests, and tools that embed the router's cluster view).
+    /// Panics outside a tokio runtime.
     pub fn single() -> Arc<Self> {
         Arc::new(Shards { handles: vec![Handle::current()], _stop: Vec::new() })
     }
