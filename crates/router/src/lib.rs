@@ -162,7 +162,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     let shards = Shards::start(args.shard_count()).context("starting the shards' threads")?;
     let state = start(&args, addr.port(), shards.clone())?;
     let scheme = if http_tls.is_some() { "https" } else { "http" };
-    tracing::info!(%addr, policy = args.policy.as_str(), scheme, threads = shards.len(), "bellows-router listening");
+    tracing::info!(%addr, policy = args.policy.as_str(), scheme, threads = shards.count(), "bellows-router listening");
     println!("bellows-router listening on {scheme}://{addr}");
     if let Some(tls) = &http_tls {
         tls.spawn_reloader(RELOAD_EVERY);

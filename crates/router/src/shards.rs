@@ -3,8 +3,8 @@
 //!
 //! Why: on one multi-threaded runtime a request's steps (its HTTP connection, its dispatch, the
 //! worker session's reader, the gRPC connection) wake each other across threads, and each such
-//! wake-up of a parked thread is a futex call and a cache miss: a third of the router's CPU per
-//! request on 2 cores (docs/BENCHMARKS.md, "Router: thread per core"). So, as in Envoy's
+//! wake-up of a parked thread is a futex call and a cache miss: about a fifth of the router's CPU
+//! per request on 2 cores (docs/BENCHMARKS.md, "Router: thread per core"). So, as in Envoy's
 //! threading model, each shard serves the HTTP connections handed to it (round robin, by the
 //! acceptor on shard 0) and sends their requests on its own Session stream to each worker
 //! (see [`crate::cluster::link`]); within a shard every wake-up stays on its thread.
@@ -68,12 +68,9 @@ impl Shards {
         CURRENT.get()
     }
 
-    pub fn len(&self) -> usize {
+    /// How many shards there are (at least one).
+    pub fn count(&self) -> usize {
         self.handles.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.handles.is_empty()
     }
 
     pub fn handle(&self, shard: usize) -> &Handle {
@@ -85,7 +82,7 @@ impl Shards {
     /// acceptor's task (aborting it closes the listener).
     pub fn distribute(&self, listener: TcpListener) -> io::Result<(Vec<ShardListener>, JoinHandle<()>)> {
         let local = listener.local_addr()?;
-        let (senders, listeners): (Vec<_>, Vec<_>) = (0..self.len())
+        let (senders, listeners): (Vec<_>, Vec<_>) = (0..self.count())
             .map(|_| {
                 let (tx, rx) = mpsc::unbounded_channel();
                 (tx, ShardListener { incoming: rx, local })

@@ -29,6 +29,15 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A gauge or counter from the metrics page at `url` (the sum over its label sets).
+pub async fn metric_at(url: &str, name: &str) -> f64 {
+    let text = reqwest::get(url).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.split([' ', '{']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// Poll `f` until it returns `Some`, or fail with `what` after `limit`.
 pub async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
 where
@@ -488,11 +497,7 @@ impl Router {
 
     /// A gauge or counter from `/metrics` (the sum over its label sets).
     pub async fn metric(&self, name: &str) -> f64 {
-        let text = reqwest::get(self.url("/metrics")).await.unwrap().text().await.unwrap();
-        text.lines()
-            .filter(|l| l.split([' ', '{']).next() == Some(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        metric_at(&self.url("/metrics"), name).await
     }
 
     /// Wait until exactly `n` workers can take work.

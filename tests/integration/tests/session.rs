@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use bellows_integration::{Router, Worker, eventually, free_port, sim};
+use bellows_integration::{Router, Worker, eventually, free_port, metric_at, sim};
 use bellows_proto::worker::v1 as pb;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -130,13 +130,11 @@ async fn a_worker_speaking_only_generate_is_served_with_a_call_per_request() {
 
 /// The worker's `bellows_worker_sessions` gauge, from its metrics port.
 async fn open_sessions(metrics: &str) -> f64 {
-    let text = reqwest::get(format!("http://{metrics}/metrics")).await.unwrap().text().await.unwrap();
-    let line = text.lines().find(|l| l.starts_with("bellows_worker_sessions ")).expect("the sessions gauge");
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    metric_at(&format!("http://{metrics}/metrics"), "bellows_worker_sessions").await
 }
 
 #[tokio::test]
-async fn each_router_thread_serves_its_own_connections_over_a_session_of_its_own() {
+async fn each_router_thread_opens_a_session_of_its_own_and_a_dead_routers_sessions_close_at_once() {
     let metrics = format!("127.0.0.1:{}", free_port());
     let mut args = sim(r#"{"base_us": 2000, "per_token_us": 0, "per_sequence_us": 0}"#);
     args.extend(["--metrics-listen".to_string(), metrics.clone()]);

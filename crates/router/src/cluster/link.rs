@@ -515,7 +515,7 @@ impl ShardSessions {
     async fn open(shards: &Shards, connect: &Connect, buffered: &Gauge) -> anyhow::Result<Self> {
         let mut sessions = ShardSessions { channels: Vec::new(), readers: Vec::new() };
         let mut opened = Vec::new();
-        for shard in 0..shards.len() {
+        for shard in 0..shards.count() {
             let (tx, rx) = oneshot::channel();
             let (connect, buffered) = (connect.clone(), buffered.clone());
             sessions.readers.push(shards.handle(shard).spawn(async move {
