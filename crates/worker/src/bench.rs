@@ -35,7 +35,7 @@ use crate::{
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Which benchmarks: all, decode, batch, ttft, multiturn, itl, constrained, matmul
+    /// Which benchmarks: all, decode, batch, ttft, multiturn, itl, constrained, matmul, attention
     /// (comma-separated).
     #[arg(long, default_value = "all")]
     pub suite: String,
@@ -188,6 +188,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if want("matmul") {
         out["matmul"] = bench_matmul()?;
         eprintln!("matmul: {}", out["matmul"]);
+    }
+    if want("attention") {
+        out["attention"] = bench_attention();
+        eprintln!("attention: {}", out["attention"]);
     }
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
@@ -548,4 +552,61 @@ fn bench_matmul() -> Result<Value> {
         }
     }
     Ok(Value::Array(rows))
+}
+
+/// One layer's attention alone, on the default model's heads (9 query heads over 3 KV heads of
+/// 64): a cold 1,000-token prompt in the scheduler's 256-token chunks, 48 new tokens after 1,400
+/// cached (a conversation's next turn), and a decode step of 16 rows at 512 positions.
+/// Microseconds per layer and GMAC/s (query-key and weight-value multiply-adds).
+fn bench_attention() -> Value {
+    use crate::{
+        kv_cache::BlockId,
+        model::{
+            BatchRow,
+            attention::{Attention, Heads, LayerKv, Rope, RopeStyle, paged_attention},
+        },
+    };
+    let heads = Heads { n_head: 9, n_kv_head: 3, head_dim: 64 };
+    let (q_row, kv_row, block) = (9 * 64, 3 * 64, 16);
+    let shape = Attention::causal(heads);
+    let rope = Rope::new(RopeStyle::Interleaved, 64, 10000.0, 2048);
+    let wave = |n: usize, f: f32| (0..n).map(|i| ((i as f32) * f).sin()).collect::<Vec<f32>>();
+    // (case, rows, cached positions per row, new tokens per row)
+    let cases: [(&str, usize, usize, usize); 3] = [("prefill_1000_cold", 1, 0, 1000), ("turn_48_after_1400", 1, 1400, 48), ("decode_16_rows_at_512", 16, 512, 1)];
+    let mut out = Vec::new();
+    for (name, rows, cached, new) in cases {
+        let per_row = (cached + new).div_ceil(block);
+        let mut kv = LayerKv::new(rows * per_row, block, heads);
+        let blocks: Vec<Vec<BlockId>> =
+            (0..rows).map(|r| (0..per_row).map(|b| BlockId::new((b * rows + r) as u32)).collect()).collect();
+        let ids = vec![0u32; cached + new];
+        // Steps of at most 256 tokens, as the scheduler cuts a prompt: (start, tokens).
+        let steps: Vec<(usize, usize)> = (cached..cached + new).step_by(256).map(|s| (s, 256.min(cached + new - s))).collect();
+        let most = 256.max(cached);
+        let (q, k, v) = (wave(rows * most * q_row, 0.031), wave(rows * most * kv_row, 0.023), wave(rows * most * kv_row, 0.017));
+        let step = |kv: &mut LayerKv, start: usize, len: usize| {
+            let batch: Vec<BatchRow> = blocks
+                .iter()
+                .map(|b| BatchRow { tokens: &ids[..len], start_pos: start, blocks: b, want_logits: false })
+                .collect();
+            let (mut q, mut k) = (q[..rows * len * q_row].to_vec(), k[..rows * len * kv_row].to_vec());
+            let v = &v[..rows * len * kv_row];
+            std::hint::black_box(paged_attention(&batch, &mut q, &mut k, v, kv, shape, &rope));
+        };
+        if cached > 0 {
+            step(&mut kv, 0, cached); // fill the cache once; not timed
+        }
+        let mut runs = Vec::new();
+        for _ in 0..7 {
+            let t = Instant::now();
+            for &(start, len) in &steps {
+                step(&mut kv, start, len);
+            }
+            runs.push(t.elapsed().as_secs_f64());
+        }
+        let seconds = median(runs);
+        let macs: usize = (cached..cached + new).map(|p| p + 1).sum::<usize>() * rows * 9 * 64 * 2;
+        out.push(json!({"case": name, "us": seconds * 1e6, "gmac_s": macs as f64 / seconds / 1e9}));
+    }
+    Value::Array(out)
 }

@@ -25,8 +25,8 @@ impl BlockId {
         self.0 as usize
     }
 
-    /// Any block id, for tests of code that reads the pool's storage.
-    #[cfg(test)]
+    /// Any block id, for code that reads a layer's storage without a pool (tests, the attention
+    /// benchmark).
     pub fn new(index: u32) -> Self {
         BlockId(index)
     }

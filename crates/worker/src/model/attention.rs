@@ -156,46 +156,60 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `q` against [`DOT_BATCH`] key rows at once: each result is bit-for-bit [`dot`]`(q, k[j])`
-/// (the same lanes, the same fused multiply-adds in the same order), computed with independent
-/// chains. Left to itself the compiler vectorizes this across the keys instead of across lanes,
-/// which is slower than [`dot`]; with FMA the lanes are spelt out.
+/// Each of `R` queries against [`DOT_BATCH`] key rows at once: each result is bit-for-bit
+/// [`dot`]`(q[i], k[j])` (the same lanes, the same fused multiply-adds in the same order, the
+/// same fold), computed with independent chains. The queries (heads of one KV group) share each
+/// key load, and the lanes of all `R x DOT_BATCH` sums fold together in vector registers. Left
+/// to itself the compiler vectorizes this across the keys instead of across lanes, which is
+/// slower than [`dot`]; with FMA the lanes are spelt out.
 #[inline(always)]
-fn dot_batch(q: &[f32], k: [&[f32]; DOT_BATCH]) -> [f32; DOT_BATCH] {
-    let whole = q.len() / LANES * LANES;
-    let mut acc = [[0f32; LANES]; DOT_BATCH];
+fn dot_batch<const R: usize>(q: [&[f32]; R], k: [&[f32]; DOT_BATCH]) -> [[f32; DOT_BATCH]; R] {
+    let hd = q[0].len();
+    let whole = hd / LANES * LANES;
+    assert!(q.iter().all(|q| q.len() == hd) && k.iter().all(|k| k.len() >= hd), "key rows as long as the queries");
+    let mut out = [[0f32; DOT_BATCH]; R];
     #[cfg(all(target_arch = "x86_64", target_feature = "fma"))]
-    {
-        use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps};
-        assert!(k.iter().all(|k| k.len() >= whole), "key rows as long as the query");
-        // SAFETY: FMA and AVX are enabled at compile time (the cfg above); every load reads 8 floats at
-        // an index below `whole`, which no slice is shorter than (asserted above).
-        unsafe {
-            let mut a = [_mm256_setzero_ps(); DOT_BATCH];
-            for i in (0..whole).step_by(LANES) {
-                let x = _mm256_loadu_ps(q.as_ptr().add(i));
-                for j in 0..DOT_BATCH {
-                    a[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j].as_ptr().add(i)), a[j]);
+    // SAFETY: FMA and AVX are enabled at compile time (the cfg above); every load reads 8 floats at
+    // an index below `whole`, which no slice is shorter than (asserted above); stores are of whole
+    // arrays of 4.
+    unsafe {
+        use std::arch::x86_64::*;
+        let mut a = [[_mm256_setzero_ps(); DOT_BATCH]; R];
+        for i in (0..whole).step_by(LANES) {
+            let x: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(q[r].as_ptr().add(i)));
+            for j in 0..DOT_BATCH {
+                let y = _mm256_loadu_ps(k[j].as_ptr().add(i));
+                for r in 0..R {
+                    a[r][j] = _mm256_fmadd_ps(x[r], y, a[r][j]);
                 }
             }
-            for j in 0..DOT_BATCH {
-                _mm256_storeu_ps(acc[j].as_mut_ptr(), a[j]);
-            }
+        }
+        // fold(acc) = ((a0+a4) + (a1+a5)) + ((a2+a6) + (a3+a7)): halves added, then two
+        // horizontal adds, four sums at a time.
+        let half = |v: __m256| _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        for r in 0..R {
+            let [a0, a1, a2, a3] = a[r];
+            let f = _mm_hadd_ps(_mm_hadd_ps(half(a0), half(a1)), _mm_hadd_ps(half(a2), half(a3)));
+            _mm_storeu_ps(out[r].as_mut_ptr(), f);
         }
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "fma")))]
-    for i in (0..whole).step_by(LANES) {
-        for j in 0..DOT_BATCH {
-            for l in 0..LANES {
-                acc[j][l] = q[i + l].mul_add(k[j][i + l], acc[j][l]);
+    for r in 0..R {
+        let mut acc = [[0f32; LANES]; DOT_BATCH];
+        for i in (0..whole).step_by(LANES) {
+            for j in 0..DOT_BATCH {
+                for l in 0..LANES {
+                    acc[j][l] = q[r][i + l].mul_add(k[j][i + l], acc[j][l]);
+                }
             }
         }
+        out[r] = acc.map(|a| fold(&a));
     }
-    let mut out = [0f32; DOT_BATCH];
-    for j in 0..DOT_BATCH {
-        out[j] = fold(&acc[j]);
-        for (x, y) in q[whole..].iter().zip(&k[j][whole..]) {
-            out[j] = x.mul_add(*y, out[j]);
+    for r in 0..R {
+        for j in 0..DOT_BATCH {
+            for (x, y) in q[r][whole..].iter().zip(&k[j][whole..hd]) {
+                out[r][j] = x.mul_add(*y, out[r][j]);
+            }
         }
     }
     out
@@ -272,8 +286,18 @@ fn exp8_portable(x: [f32; LANES]) -> [f32; LANES] {
 }
 
 /// Softmax in place: [`exp8`] of `x - max`, summed in position order. (A sum in lanes was tried;
-/// it moved a near-tie in the tests' fixed greedy continuations.)
+/// it moved a near-tie in the tests' fixed greedy continuations.) The engine runs
+/// [`softmax_rows`], which gives these bits for many rows at once; this is its reference.
+#[cfg(test)]
 fn softmax(row: &mut [f32]) {
+    exp_shifted(row);
+    let sum: f32 = row.iter().fold(0.0, |s, &x| s + x);
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|x| *x *= inv);
+}
+
+/// `exp(x - max)` of every value through [`exp8`], `max` the row's largest.
+fn exp_shifted(row: &mut [f32]) {
     // Max is exact in any order: eight lanes, then across them.
     let (chunks, rest) = row.as_chunks::<LANES>();
     let mut lanes = [f32::NEG_INFINITY; LANES];
@@ -283,6 +307,7 @@ fn softmax(row: &mut [f32]) {
         }
     }
     let max = lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    // (An AVX-512 version in double precision measured 2.5x slower than this on a Xeon.)
     let (chunks, rest) = row.as_chunks_mut::<LANES>();
     for c in chunks {
         *c = exp8(c.map(|x| x - max));
@@ -293,9 +318,46 @@ fn softmax(row: &mut [f32]) {
         let e = exp8(tail.map(|x| x - max));
         rest.copy_from_slice(&e[..rest.len()]);
     }
-    let sum: f32 = row.iter().fold(0.0, |s, &x| s + x);
-    let inv = 1.0 / sum;
-    row.iter_mut().for_each(|x| *x *= inv);
+}
+
+/// Rows whose sums [`softmax_rows`] runs side by side.
+const SUM_ROWS: usize = 8;
+
+/// Softmax of many rows in place: row `r` of `scores` (rows of `n` floats) holds its scores at
+/// `range(r)` and zeros around them. Each row gets the bits [`softmax`] gives it alone: its sum
+/// still runs in position order from its first position, but [`SUM_ROWS`] rows' sums run side
+/// by side instead of one long chain of dependent adds (the zeros around a shorter row add
+/// nothing: every term is at least zero).
+fn softmax_rows(scores: &mut [f32], n: usize, range: impl Fn(usize) -> (usize, usize)) {
+    let rows = scores.len() / n;
+    for r in 0..rows {
+        let (lo, hi) = range(r);
+        exp_shifted(&mut scores[r * n + lo..r * n + hi]);
+    }
+    let zeros = [0f32; 1];
+    for first in (0..rows).step_by(SUM_ROWS) {
+        let group = first..rows.min(first + SUM_ROWS);
+        let lo = group.clone().map(|r| range(r).0).min().unwrap_or(0);
+        let hi = group.clone().map(|r| range(r).1).max().unwrap_or(0);
+        // Each of the group's rows over lo..hi (a missing row reads one zero over and over).
+        let mut row: [&[f32]; SUM_ROWS] = [&zeros; SUM_ROWS];
+        let mut step = [0usize; SUM_ROWS];
+        for (i, r) in group.clone().enumerate() {
+            row[i] = &scores[r * n + lo..r * n + hi];
+            step[i] = 1;
+        }
+        let mut sums = [0f32; SUM_ROWS];
+        for p in 0..hi - lo {
+            for i in 0..SUM_ROWS {
+                sums[i] += row[i][p * step[i]];
+            }
+        }
+        for (i, r) in group.enumerate() {
+            let (lo, hi) = range(r);
+            let inv = 1.0 / sums[i];
+            scores[r * n + lo..r * n + hi].iter_mut().for_each(|x| *x *= inv);
+        }
+    }
 }
 
 /// One sequence's K or V rows for one KV head, in position order: [`PagedRows::runs`] yields,
@@ -322,43 +384,188 @@ impl PagedRows<'_> {
     }
 }
 
-/// `out[s] = dot(q, K[s]) * scale` for consecutive key rows `s`, the first at element `off`.
-fn qk_run(q: &[f32], keys: &[f32], off: usize, stride: usize, scale: f32, out: &mut [f32]) {
-    let hd = q.len();
+/// `out[i][s] = dot(q[i], K[s]) * scale` for `R` queries (heads sharing a KV head) and
+/// consecutive key rows `s`, the first at element `off`.
+fn qk_run<const R: usize>(q: [&[f32]; R], keys: &[f32], off: usize, stride: usize, scale: f32, out: [&mut [f32]; R]) {
+    let (hd, n) = (q[0].len(), out[0].len());
+    assert!(q.iter().all(|q| q.len() == hd) && out.iter().all(|o| o.len() == n), "one length for all queries");
+    let Some(last) = n.checked_sub(1) else { return };
+    assert!(off + last * stride + hd <= keys.len(), "every key row inside the store");
+    #[cfg(all(target_arch = "x86_64", target_feature = "fma"))]
+    if hd % LANES == 0 {
+        let (q, keys, out) = (q.map(<[f32]>::as_ptr), keys[off..].as_ptr(), out.map(<[f32]>::as_mut_ptr));
+        // SAFETY: FMA is enabled at compile time; the rows read lie inside `keys` (asserted
+        // above); each output holds `n` floats of its own. (An AVX-512 version, two keys to a
+        // register, measured 10% slower on a Xeon.)
+        unsafe { qk_run_fma(q, keys, stride, hd, n, scale, out) };
+        return;
+    }
     let key = |s: usize| &keys[off + s * stride..off + s * stride + hd];
     let mut s = 0;
-    while s + DOT_BATCH <= out.len() {
+    while s + DOT_BATCH <= n {
         let d = dot_batch(q, std::array::from_fn(|j| key(s + j)));
-        for j in 0..DOT_BATCH {
-            out[s + j] = d[j] * scale;
+        for r in 0..R {
+            for j in 0..DOT_BATCH {
+                out[r][s + j] = d[r][j] * scale;
+            }
         }
         s += DOT_BATCH;
     }
-    for (s, o) in out.iter_mut().enumerate().skip(s) {
-        *o = dot(q, key(s)) * scale;
+    for r in 0..R {
+        for (t, o) in out[r].iter_mut().enumerate().skip(s) {
+            *o = dot(q[r], key(t)) * scale;
+        }
     }
 }
 
-/// `out += weights[s] * V[s]` for consecutive value rows `s`, the first at element `off`, added
-/// in row order: called block after block, each element is summed in position order from 0.
-/// Columns are taken [`TILE`] at a time, kept in registers.
-fn weighted_run(weights: &[f32], values: &[f32], off: usize, stride: usize, out: &mut [f32]) {
-    let (tiles, rest) = out.as_chunks_mut::<TILE>();
-    for (t, tile) in tiles.iter_mut().enumerate() {
-        let mut acc = *tile;
-        for (s, &w) in weights.iter().enumerate() {
-            let v: &[f32; TILE] = values[off + s * stride + t * TILE..][..TILE].try_into().expect("a whole tile");
-            for c in 0..TILE {
-                acc[c] = w.mul_add(v[c], acc[c]);
+/// [`qk_run`] for a head size that is a multiple of [`LANES`], as one loop over raw rows: the
+/// same operations as [`dot_batch`] (and so the bits of [`dot`]), without a bounds check or a
+/// scalar store per score, which cost more than the dot products themselves.
+///
+/// SAFETY: `hd` floats are readable at each `q[r]` and at `keys + s * stride` for `s < n`; `n`
+/// floats are writable at each `out[r]`, and no output overlaps another or the inputs.
+#[cfg(all(target_arch = "x86_64", target_feature = "fma"))]
+#[inline(always)]
+unsafe fn qk_run_fma<const R: usize>(
+    q: [*const f32; R],
+    keys: *const f32,
+    stride: usize,
+    hd: usize,
+    n: usize,
+    scale: f32,
+    out: [*mut f32; R],
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: every pointer stays inside what the caller promises (keys past the last one are
+    // replaced by the last one; their results are not stored).
+    unsafe {
+        let half = |v: __m256| _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let scale = _mm_set1_ps(scale);
+        for s in (0..n).step_by(DOT_BATCH) {
+            let k: [*const f32; DOT_BATCH] = std::array::from_fn(|j| keys.add((s + j).min(n - 1) * stride));
+            let mut a = [[_mm256_setzero_ps(); DOT_BATCH]; R];
+            for i in (0..hd).step_by(LANES) {
+                let x: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(q[r].add(i)));
+                for j in 0..DOT_BATCH {
+                    let y = _mm256_loadu_ps(k[j].add(i));
+                    for r in 0..R {
+                        a[r][j] = _mm256_fmadd_ps(x[r], y, a[r][j]);
+                    }
+                }
+            }
+            let valid = (n - s).min(DOT_BATCH);
+            for r in 0..R {
+                let [a0, a1, a2, a3] = a[r];
+                let f = _mm_hadd_ps(_mm_hadd_ps(half(a0), half(a1)), _mm_hadd_ps(half(a2), half(a3)));
+                let f = _mm_mul_ps(f, scale);
+                if valid == DOT_BATCH {
+                    _mm_storeu_ps(out[r].add(s), f);
+                } else {
+                    let mut t = [0f32; DOT_BATCH];
+                    _mm_storeu_ps(t.as_mut_ptr(), f);
+                    std::ptr::copy_nonoverlapping(t.as_ptr(), out[r].add(s), valid);
+                }
             }
         }
-        *tile = acc;
     }
-    let first = tiles.len() * TILE;
-    for (s, &w) in weights.iter().enumerate() {
-        let v = &values[off + s * stride + first..][..rest.len()];
-        for (o, x) in rest.iter_mut().zip(v) {
-            *o = w.mul_add(*x, *o);
+}
+
+/// `out[i] += weights[i][s] * V[s]` for `R` queries (heads sharing a KV head) and consecutive
+/// value rows `s`, the first at element `off`, added in row order: called block after block,
+/// each element is summed in position order from 0. Columns are taken [`TILE`] at a time, kept
+/// in registers.
+fn weighted_run<const R: usize>(
+    weights: [&[f32]; R],
+    values: &[f32],
+    off: usize,
+    stride: usize,
+    out: [&mut [f32]; R],
+) {
+    let n = weights[0].len();
+    assert!(weights.iter().all(|w| w.len() == n), "as many weights for each query");
+    let mut out = out.map(|o| o.as_chunks_mut::<TILE>());
+    for t in 0..out[0].0.len() {
+        let base = off + t * TILE;
+        if let Some(last) = n.checked_sub(1) {
+            assert!(base + last * stride + TILE <= values.len(), "every value row inside the store");
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            let tiles = std::array::from_fn(|r| &raw mut out[r].0[t]);
+            // SAFETY: AVX-512F is present (checked at run time); every row read lies inside
+            // `values` (asserted above); the tiles are of different outputs.
+            unsafe { weighted_tile_avx512(weights, values.as_ptr().add(base), stride, tiles) };
+            continue;
+        }
+        for r in 0..R {
+            let tile = &mut out[r].0[t];
+            let mut acc = *tile;
+            for (s, &w) in weights[r].iter().enumerate() {
+                let v: &[f32; TILE] = values[base + s * stride..][..TILE].try_into().expect("a whole tile");
+                for c in 0..TILE {
+                    acc[c] = w.mul_add(v[c], acc[c]);
+                }
+            }
+            *tile = acc;
+        }
+    }
+    for r in 0..R {
+        let rest = &mut *out[r].1;
+        if rest.is_empty() {
+            continue;
+        }
+        let first = out[r].0.len() * TILE;
+        for (s, &w) in weights[r].iter().enumerate() {
+            let v = &values[off + s * stride + first..][..rest.len()];
+            for (o, x) in rest.iter_mut().zip(v) {
+                *o = w.mul_add(*x, *o);
+            }
+        }
+    }
+}
+
+/// Whether this CPU runs AVX-512F (the build targets AVX2, so wider kernels are chosen at run
+/// time). Each column's fused multiply-adds are the same at any width: the bits do not change.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn avx512() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// [`weighted_run`]'s tile of [`TILE`] columns for each of `R` queries, in four 16-lane
+/// registers each: with two queries, eight independent chains of multiply-adds hide their latency.
+///
+/// SAFETY: the CPU has AVX-512F; `values + s * stride .. + TILE` is readable for every `s` below
+/// `weights[r].len()`; the tiles are valid and do not overlap.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_tile_avx512<const R: usize>(
+    weights: [&[f32]; R],
+    values: *const f32,
+    stride: usize,
+    tiles: [*mut [f32; TILE]; R],
+) {
+    use std::arch::x86_64::*;
+    const W: usize = 16;
+    // SAFETY: loads and stores of the tiles are in bounds (TILE = 4 x 16); row reads by the
+    // caller's contract.
+    unsafe {
+        let mut acc: [[__m512; TILE / W]; R] =
+            std::array::from_fn(|r| std::array::from_fn(|c| _mm512_loadu_ps(tiles[r].cast::<f32>().add(c * W))));
+        for s in 0..weights[0].len() {
+            let v = values.add(s * stride);
+            let vs: [__m512; TILE / W] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(c * W)));
+            for r in 0..R {
+                let w = _mm512_set1_ps(*weights[r].get_unchecked(s));
+                for c in 0..TILE / W {
+                    acc[r][c] = _mm512_fmadd_ps(w, vs[c], acc[r][c]);
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..TILE / W {
+                _mm512_storeu_ps(tiles[r].cast::<f32>().add(c * W), acc[r][c]);
+            }
         }
     }
 }
@@ -456,30 +663,41 @@ pub fn paged_attention(
                 if count == 0 {
                     continue;
                 }
-                for h in 0..group {
-                    let qv = &q[(t0 + j) * q_row + (g * group + h) * hd..][..hd];
-                    let row = &mut scores[(j * group + h) * n_max + p + first..][..count];
-                    qk_run(qv, &kv.k, off + first * kv_row, kv_row, scale, row);
+                let qv = |h: usize| &q[(t0 + j) * q_row + (g * group + h) * hd..][..hd];
+                let keys = off + first * kv_row;
+                // The group's heads of token j, two at a time: they read the same keys.
+                let heads = &mut scores[j * group * n_max..(j + 1) * group * n_max];
+                for (i, two) in heads.chunks_mut(2 * n_max).enumerate() {
+                    let h = 2 * i;
+                    if two.len() == 2 * n_max {
+                        let (a, b) = two.split_at_mut(n_max);
+                        let out = [&mut a[p + first..][..count], &mut b[p + first..][..count]];
+                        qk_run([qv(h), qv(h + 1)], &kv.k, keys, kv_row, scale, out);
+                    } else {
+                        qk_run([qv(h)], &kv.k, keys, kv_row, scale, [&mut two[p + first..][..count]]);
+                    }
                 }
             }
         }
-        for j in 0..m {
-            let (lo, hi) = shape.visible(p0 + j);
-            for h in 0..group {
-                softmax(&mut scores[(j * group + h) * n_max + lo..][..hi - lo]);
-            }
-        }
+        softmax_rows(scores, n_max, |r| shape.visible(p0 + r / group));
         for (p, off, len) in paged.runs(n_max) {
             for j in 0..m {
                 let (first, count) = part(j, p, len);
                 if count == 0 {
                     continue;
                 }
-                for h in 0..group {
-                    // SAFETY: head (g * group + h) of token t0 + j belongs to this task alone.
-                    let o = unsafe { shared.slice((t0 + j) * q_row + (g * group + h) * hd, hd) };
-                    let w = &scores[(j * group + h) * n_max + p + first..][..count];
-                    weighted_run(w, &kv.v, off + first * kv_row, kv_row, o);
+                // SAFETY: head (g * group + h) of token t0 + j belongs to this task alone.
+                let o = |h: usize| unsafe { shared.slice((t0 + j) * q_row + (g * group + h) * hd, hd) };
+                let w = |h: usize| &scores[(j * group + h) * n_max + p + first..][..count];
+                let values = off + first * kv_row;
+                // Two heads at a time, as for the scores.
+                let mut h = 0;
+                while h + 1 < group {
+                    weighted_run([w(h), w(h + 1)], &kv.v, values, kv_row, [o(h), o(h + 1)]);
+                    h += 2;
+                }
+                if h < group {
+                    weighted_run([w(h)], &kv.v, values, kv_row, [o(h)]);
                 }
             }
         }
@@ -496,17 +714,21 @@ pub fn paged_attention(
 
 /// Run `f(i, scratch)` for every task `i`, in parallel on candle's matmul thread pool:
 /// attention and matmuls then share one set of threads. (A second pool, such as rayon's, spins
-/// beside candle's and oversubscribes the cores.)
+/// beside candle's and oversubscribes the cores.) Each thread keeps its scratch from step to
+/// step: a fresh one of a long prompt's size is mapped, faulted in and zeroed by the kernel every
+/// time.
 fn run_tasks(n: usize, parallel: bool, f: impl Fn(usize, &mut Vec<f32>) + Sync) {
-    if !parallel {
-        let mut scratch = Vec::new();
-        (0..n).for_each(|i| f(i, &mut scratch));
-        return;
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
-        let mut scratch = Vec::new();
-        range.for_each(|i| f(i, &mut scratch));
-    });
+    let run = |range: std::ops::Range<usize>| {
+        SCRATCH.with_borrow_mut(|scratch| range.for_each(|i| f(i, scratch)));
+    };
+    if parallel {
+        candle_core::utils::barrier_pool().execute_chunked(n, run);
+    } else {
+        run(0..n);
+    }
 }
 
 #[cfg(test)]
@@ -539,19 +761,22 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_of_dots_is_bit_for_bit_dot() {
+    fn a_batch_of_dots_for_several_queries_is_bit_for_bit_dot() {
         for hd in [64, 67, 128] {
             let q = wave(hd, 0.37);
             let keys: Vec<Vec<f32>> = (0..DOT_BATCH).map(|j| wave(hd, 0.11 + j as f32 * 0.07)).collect();
-            let got = dot_batch(&q, std::array::from_fn(|j| keys[j].as_slice()));
+            let q2 = wave(hd, 0.53);
+            let got = dot_batch([&q, &q2], std::array::from_fn(|j| keys[j].as_slice()));
             for j in 0..DOT_BATCH {
-                assert_eq!(got[j].to_bits(), dot(&q, &keys[j]).to_bits(), "hd {hd}, key {j}");
+                assert_eq!(got[0][j].to_bits(), dot(&q, &keys[j]).to_bits(), "hd {hd}, key {j}");
+                assert_eq!(got[1][j].to_bits(), dot(&q2, &keys[j]).to_bits(), "hd {hd}, key {j}, second query");
             }
+            assert_eq!(dot_batch([&q], std::array::from_fn(|j| keys[j].as_slice()))[0], got[0], "one query alone");
         }
     }
 
     #[test]
-    fn paged_kernels_sum_every_position_in_order_across_scattered_blocks() {
+    fn paged_kernels_sum_every_position_in_order_across_scattered_blocks_paired_or_alone() {
         use crate::kv_cache::BlockId;
         let (block_size, n_kv_head, hd) = (4, 2, 72);
         let stride = n_kv_head * hd;
@@ -563,26 +788,41 @@ mod tests {
             let off = slot_offset(&blocks, block_size, p, stride) + g * hd;
             &store[off..off + hd]
         };
-        let q = wave(hd, 0.29);
-        let mut scores = vec![0.0; n];
+        // Two queries of one KV group, as the engine pairs them, and each alone.
+        let queries = [wave(hd, 0.29), wave(hd, 0.47)];
+        let (mut scores, mut alone) = ([vec![0.0; n], vec![0.0; n]], [vec![0.0; n], vec![0.0; n]]);
         for (p, off, len) in paged.runs(n) {
-            qk_run(&q, &store, off, stride, 0.5, &mut scores[p..p + len]);
-        }
-        for (p, s) in scores.iter().enumerate() {
-            assert_eq!(s.to_bits(), (dot(&q, row(p)) * 0.5).to_bits(), "score of position {p}");
-        }
-        let mut out = vec![0.0; hd];
-        for (p, off, len) in paged.runs(n) {
-            weighted_run(&scores[p..p + len], &store, off, stride, &mut out);
-        }
-        let mut expected = vec![0f32; hd];
-        for (p, w) in scores.iter().enumerate() {
-            for (e, x) in expected.iter_mut().zip(row(p)) {
-                *e = w.mul_add(*x, *e);
+            let [a, b] = &mut scores;
+            qk_run([&queries[0], &queries[1]], &store, off, stride, 0.5, [&mut a[p..p + len], &mut b[p..p + len]]);
+            for (q, s) in queries.iter().zip(&mut alone) {
+                qk_run([q], &store, off, stride, 0.5, [&mut s[p..p + len]]);
             }
         }
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&out), bits(&expected));
+        for (q, s) in queries.iter().zip(&scores) {
+            for (p, s) in s.iter().enumerate() {
+                assert_eq!(s.to_bits(), (dot(q, row(p)) * 0.5).to_bits(), "score of position {p}");
+            }
+        }
+        assert_eq!(scores.each_ref().map(|s| bits(s)), alone.each_ref().map(|s| bits(s)), "paired scores as alone");
+        let (mut out, mut out_alone) = ([vec![0.0; hd], vec![0.0; hd]], [vec![0.0; hd], vec![0.0; hd]]);
+        for (p, off, len) in paged.runs(n) {
+            let [a, b] = &mut out;
+            weighted_run([&scores[0][p..p + len], &scores[1][p..p + len]], &store, off, stride, [a, b]);
+            for (s, o) in scores.iter().zip(&mut out_alone) {
+                weighted_run([&s[p..p + len]], &store, off, stride, [o]);
+            }
+        }
+        for (s, o) in scores.iter().zip(&out) {
+            let mut expected = vec![0f32; hd];
+            for (p, w) in s.iter().enumerate() {
+                for (e, x) in expected.iter_mut().zip(row(p)) {
+                    *e = w.mul_add(*x, *e);
+                }
+            }
+            assert_eq!(bits(o), bits(&expected));
+        }
+        assert_eq!(out.each_ref().map(|o| bits(o)), out_alone.each_ref().map(|o| bits(o)), "paired outputs as alone");
     }
 
     /// Attention for `tokens` new tokens after `cached`, as one step or token by token, over
@@ -711,6 +951,30 @@ mod tests {
                     assert_eq!(before[i] < before[j], row[i] < row[j], "n {n}: order of {i} and {j}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn rows_side_by_side_get_the_softmax_each_gets_alone() {
+        // 11 rows (a whole group of sums and a partial one) of different visible ranges, some
+        // starting late (a window), one element long, and longer than a vector.
+        let n = 45;
+        let range = |r: usize| ((r * 3) % 7, (n - r * 2).max((r * 3) % 7 + 1));
+        let mut many = vec![0f32; 11 * n];
+        let mut alone = Vec::new();
+        for r in 0..11 {
+            let (lo, hi) = range(r);
+            let scores = wave(hi - lo, 0.41 + r as f32 * 0.13);
+            many[r * n + lo..r * n + hi].copy_from_slice(&scores);
+            let mut row = scores;
+            softmax(&mut row);
+            alone.push(row);
+        }
+        softmax_rows(&mut many, n, range);
+        for (r, row) in alone.iter().enumerate() {
+            let (lo, hi) = range(r);
+            assert_eq!(bits(&many[r * n + lo..r * n + hi]), bits(row), "row {r}");
+            assert!(many[r * n..r * n + lo].iter().chain(&many[r * n + hi..(r + 1) * n]).all(|&x| x == 0.0), "row {r}");
         }
     }
 
