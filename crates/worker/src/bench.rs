@@ -572,7 +572,8 @@ fn bench_attention() -> Value {
     let rope = Rope::new(RopeStyle::Interleaved, 64, 10000.0, 2048);
     let wave = |n: usize, f: f32| (0..n).map(|i| ((i as f32) * f).sin()).collect::<Vec<f32>>();
     // (case, rows, cached positions per row, new tokens per row)
-    let cases: [(&str, usize, usize, usize); 3] = [("prefill_1000_cold", 1, 0, 1000), ("turn_48_after_1400", 1, 1400, 48), ("decode_16_rows_at_512", 16, 512, 1)];
+    let cases: [(&str, usize, usize, usize); 3] =
+        [("prefill_1000_cold", 1, 0, 1000), ("turn_48_after_1400", 1, 1400, 48), ("decode_16_rows_at_512", 16, 512, 1)];
     let mut out = Vec::new();
     for (name, rows, cached, new) in cases {
         let per_row = (cached + new).div_ceil(block);
@@ -581,9 +582,11 @@ fn bench_attention() -> Value {
             (0..rows).map(|r| (0..per_row).map(|b| BlockId::new((b * rows + r) as u32)).collect()).collect();
         let ids = vec![0u32; cached + new];
         // Steps of at most 256 tokens, as the scheduler cuts a prompt: (start, tokens).
-        let steps: Vec<(usize, usize)> = (cached..cached + new).step_by(256).map(|s| (s, 256.min(cached + new - s))).collect();
+        let steps: Vec<(usize, usize)> =
+            (cached..cached + new).step_by(256).map(|s| (s, 256.min(cached + new - s))).collect();
         let most = 256.max(cached);
-        let (q, k, v) = (wave(rows * most * q_row, 0.031), wave(rows * most * kv_row, 0.023), wave(rows * most * kv_row, 0.017));
+        let (q, k, v) =
+            (wave(rows * most * q_row, 0.031), wave(rows * most * kv_row, 0.023), wave(rows * most * kv_row, 0.017));
         let step = |kv: &mut LayerKv, start: usize, len: usize| {
             let batch: Vec<BatchRow> = blocks
                 .iter()

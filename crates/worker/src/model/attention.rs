@@ -474,13 +474,7 @@ unsafe fn qk_run_fma<const R: usize>(
 /// value rows `s`, the first at element `off`, added in row order: called block after block,
 /// each element is summed in position order from 0. Columns are taken [`TILE`] at a time, kept
 /// in registers.
-fn weighted_run<const R: usize>(
-    weights: [&[f32]; R],
-    values: &[f32],
-    off: usize,
-    stride: usize,
-    out: [&mut [f32]; R],
-) {
+fn weighted_run<const R: usize>(weights: [&[f32]; R], values: &[f32], off: usize, stride: usize, out: [&mut [f32]; R]) {
     let n = weights[0].len();
     assert!(weights.iter().all(|w| w.len() == n), "as many weights for each query");
     let mut out = out.map(|o| o.as_chunks_mut::<TILE>());
@@ -562,9 +556,9 @@ unsafe fn weighted_tile_avx512<const R: usize>(
                 }
             }
         }
-        for r in 0..R {
-            for c in 0..TILE / W {
-                _mm512_storeu_ps(tiles[r].cast::<f32>().add(c * W), acc[r][c]);
+        for (tile, acc) in tiles.iter().zip(&acc) {
+            for (c, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(tile.cast::<f32>().add(c * W), *a);
             }
         }
     }
@@ -778,51 +772,58 @@ mod tests {
     #[test]
     fn paged_kernels_sum_every_position_in_order_across_scattered_blocks_paired_or_alone() {
         use crate::kv_cache::BlockId;
-        let (block_size, n_kv_head, hd) = (4, 2, 72);
-        let stride = n_kv_head * hd;
-        let blocks: Vec<BlockId> = [5, 0, 3, 7].map(BlockId::new).to_vec();
-        let store = wave(8 * block_size * stride, 0.013);
-        let (g, n) = (1, 14); // the second KV head; 14 positions end mid-block
-        let paged = PagedRows { blocks: &blocks, block_size, stride, head: g * hd };
-        let row = |p: usize| {
-            let off = slot_offset(&blocks, block_size, p, stride) + g * hd;
-            &store[off..off + hd]
-        };
-        // Two queries of one KV group, as the engine pairs them, and each alone.
-        let queries = [wave(hd, 0.29), wave(hd, 0.47)];
-        let (mut scores, mut alone) = ([vec![0.0; n], vec![0.0; n]], [vec![0.0; n], vec![0.0; n]]);
-        for (p, off, len) in paged.runs(n) {
-            let [a, b] = &mut scores;
-            qk_run([&queries[0], &queries[1]], &store, off, stride, 0.5, [&mut a[p..p + len], &mut b[p..p + len]]);
-            for (q, s) in queries.iter().zip(&mut alone) {
-                qk_run([q], &store, off, stride, 0.5, [&mut s[p..p + len]]);
-            }
-        }
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for (q, s) in queries.iter().zip(&scores) {
-            for (p, s) in s.iter().enumerate() {
-                assert_eq!(s.to_bits(), (dot(q, row(p)) * 0.5).to_bits(), "score of position {p}");
-            }
-        }
-        assert_eq!(scores.each_ref().map(|s| bits(s)), alone.each_ref().map(|s| bits(s)), "paired scores as alone");
-        let (mut out, mut out_alone) = ([vec![0.0; hd], vec![0.0; hd]], [vec![0.0; hd], vec![0.0; hd]]);
-        for (p, off, len) in paged.runs(n) {
-            let [a, b] = &mut out;
-            weighted_run([&scores[0][p..p + len], &scores[1][p..p + len]], &store, off, stride, [a, b]);
-            for (s, o) in scores.iter().zip(&mut out_alone) {
-                weighted_run([&s[p..p + len]], &store, off, stride, [o]);
-            }
-        }
-        for (s, o) in scores.iter().zip(&out) {
-            let mut expected = vec![0f32; hd];
-            for (p, w) in s.iter().enumerate() {
-                for (e, x) in expected.iter_mut().zip(row(p)) {
-                    *e = w.mul_add(*x, *e);
+        // 72: the vector kernel; 67: the plain one, for head sizes that are no multiple of 8.
+        for hd in [72, 67] {
+            let (block_size, n_kv_head) = (4, 2);
+            let stride = n_kv_head * hd;
+            let blocks: Vec<BlockId> = [5, 0, 3, 7].map(BlockId::new).to_vec();
+            let store = wave(8 * block_size * stride, 0.013);
+            let (g, n) = (1, 14); // the second KV head; 14 positions end mid-block
+            let paged = PagedRows { blocks: &blocks, block_size, stride, head: g * hd };
+            let row = |p: usize| {
+                let off = slot_offset(&blocks, block_size, p, stride) + g * hd;
+                &store[off..off + hd]
+            };
+            // Two queries of one KV group, as the engine pairs them, and each alone.
+            let queries = [wave(hd, 0.29), wave(hd, 0.47)];
+            let (mut scores, mut alone) = ([vec![0.0; n], vec![0.0; n]], [vec![0.0; n], vec![0.0; n]]);
+            for (p, off, len) in paged.runs(n) {
+                let [a, b] = &mut scores;
+                qk_run([&queries[0], &queries[1]], &store, off, stride, 0.5, [&mut a[p..p + len], &mut b[p..p + len]]);
+                for (q, s) in queries.iter().zip(&mut alone) {
+                    qk_run([q], &store, off, stride, 0.5, [&mut s[p..p + len]]);
                 }
             }
-            assert_eq!(bits(o), bits(&expected));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (q, s) in queries.iter().zip(&scores) {
+                for (p, s) in s.iter().enumerate() {
+                    assert_eq!(s.to_bits(), (dot(q, row(p)) * 0.5).to_bits(), "score of position {p}");
+                }
+            }
+            assert_eq!(scores.each_ref().map(|s| bits(s)), alone.each_ref().map(|s| bits(s)), "paired scores as alone");
+            let (mut out, mut out_alone) = ([vec![0.0; hd], vec![0.0; hd]], [vec![0.0; hd], vec![0.0; hd]]);
+            for (p, off, len) in paged.runs(n) {
+                let [a, b] = &mut out;
+                weighted_run([&scores[0][p..p + len], &scores[1][p..p + len]], &store, off, stride, [a, b]);
+                for (s, o) in scores.iter().zip(&mut out_alone) {
+                    weighted_run([&s[p..p + len]], &store, off, stride, [o]);
+                }
+            }
+            for (s, o) in scores.iter().zip(&out) {
+                let mut expected = vec![0f32; hd];
+                for (p, w) in s.iter().enumerate() {
+                    for (e, x) in expected.iter_mut().zip(row(p)) {
+                        *e = w.mul_add(*x, *e);
+                    }
+                }
+                assert_eq!(bits(o), bits(&expected));
+            }
+            assert_eq!(
+                out.each_ref().map(|o| bits(o)),
+                out_alone.each_ref().map(|o| bits(o)),
+                "paired outputs as alone"
+            );
         }
-        assert_eq!(out.each_ref().map(|o| bits(o)), out_alone.each_ref().map(|o| bits(o)), "paired outputs as alone");
     }
 
     /// Attention for `tokens` new tokens after `cached`, as one step or token by token, over
