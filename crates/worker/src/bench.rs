@@ -2,8 +2,8 @@
 //! concurrency, time to first token cold and with a cached prefix, turn after turn of a cached
 //! conversation against prefilling only the new tokens, and inter-token latency of
 //! running streams while a long prompt arrives, chunked against unchunked, and decode under a JSON
-//! Schema against unconstrained decode in the same run (with the mask time per token). Prints one
-//! JSON object.
+//! Schema against unconstrained decode in the same run (with the mask time per token); and the
+//! matmul and attention kernels alone. Prints one JSON object.
 //!
 //! Timestamps are taken where a client would see them: when each event leaves the engine's
 //! channel. Numbers are only comparable within one run on a quiet machine.

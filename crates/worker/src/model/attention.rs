@@ -4,8 +4,12 @@
 //! in: that fixed order is what makes a request's output independent of chunk size and of its
 //! batch neighbours (bit-exact, not merely close). Work is split across threads by (tile of a
 //! row's tokens, KV head), which changes who computes a value, never the order of its sums. The kernels below
-//! compute several positions or columns at once for speed, and each is tested to give the very
-//! bits of the plain one-at-a-time loop.
+//! compute several positions, columns, heads or rows' sums at once for speed (two heads of a KV
+//! group share each key and value load; the value tiles take AVX-512 registers where the CPU has
+//! them, chosen at run time), and each is tested to give the very bits of the plain
+//! one-at-a-time loop. Tried and measured slower on a Xeon: the exponential and the key dot
+//! products in AVX-512 (see docs/BENCHMARKS.md); a half-precision cache (it moved greedy tokens
+//! away from llama.cpp's in the tests).
 
 use super::BatchRow;
 
