@@ -126,9 +126,9 @@ fn slot_offset(blocks: &[crate::kv_cache::BlockId], block_size: usize, pos: usiz
 /// Lanes of one AVX register: every dot product sums in these lanes, then folds them in a
 /// fixed tree, so its value is the same whichever kernel computed it.
 const LANES: usize = 8;
-/// Positions whose scores [`dot_batch`] computes together: four independent accumulator chains
-/// keep the FMA units busy where one chain would wait on each add's latency (eight measured
-/// slower).
+/// Positions whose scores [`qk_run_fma`] (and [`dot_batch`]) compute together: with the two
+/// heads of a pair, eight independent accumulator chains keep the FMA units busy where one chain
+/// would wait on each add's latency.
 const DOT_BATCH: usize = 4;
 /// Output columns [`weighted_run`] keeps in registers at once.
 const TILE: usize = 64;
