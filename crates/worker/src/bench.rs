@@ -567,7 +567,7 @@ fn bench_attention() -> Value {
         },
     };
     let heads = Heads { n_head: 9, n_kv_head: 3, head_dim: 64 };
-    let (q_row, kv_row, block) = (9 * 64, 3 * 64, 16);
+    let (q_row, kv_row, block) = (heads.n_head * heads.head_dim, heads.n_kv_head * heads.head_dim, 16);
     let shape = Attention::causal(heads);
     let rope = Rope::new(RopeStyle::Interleaved, 64, 10000.0, 2048);
     let wave = |n: usize, f: f32| (0..n).map(|i| ((i as f32) * f).sin()).collect::<Vec<f32>>();
@@ -608,7 +608,7 @@ fn bench_attention() -> Value {
             runs.push(t.elapsed().as_secs_f64());
         }
         let seconds = median(runs);
-        let macs: usize = (cached..cached + new).map(|p| p + 1).sum::<usize>() * rows * 9 * 64 * 2;
+        let macs: usize = (cached..cached + new).map(|p| p + 1).sum::<usize>() * rows * q_row * 2;
         out.push(json!({"case": name, "us": seconds * 1e6, "gmac_s": macs as f64 / seconds / 1e9}));
     }
     Value::Array(out)

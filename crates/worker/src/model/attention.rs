@@ -126,9 +126,9 @@ fn slot_offset(blocks: &[crate::kv_cache::BlockId], block_size: usize, pos: usiz
 /// Lanes of one AVX register: every dot product sums in these lanes, then folds them in a
 /// fixed tree, so its value is the same whichever kernel computed it.
 const LANES: usize = 8;
-/// Positions whose scores [`qk_run_fma`] (and [`dot_batch`]) compute together: with the two
-/// heads of a pair, eight independent accumulator chains keep the FMA units busy where one chain
-/// would wait on each add's latency.
+/// Positions whose scores [`qk_run_fma`] computes together: with the two heads of a pair, eight
+/// independent accumulator chains keep the FMA units busy where one chain would wait on each
+/// add's latency.
 const DOT_BATCH: usize = 4;
 /// Output columns [`weighted_run`] keeps in registers at once.
 const TILE: usize = 64;
@@ -158,65 +158,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         s = x.mul_add(*y, s);
     }
     s
-}
-
-/// Each of `R` queries against [`DOT_BATCH`] key rows at once: each result is bit-for-bit
-/// [`dot`]`(q[i], k[j])` (the same lanes, the same fused multiply-adds in the same order, the
-/// same fold), computed with independent chains. The queries (heads of one KV group) share each
-/// key load, and the lanes of all `R x DOT_BATCH` sums fold together in vector registers. Left
-/// to itself the compiler vectorizes this across the keys instead of across lanes, which is
-/// slower than [`dot`]; with FMA the lanes are spelt out.
-#[inline(always)]
-fn dot_batch<const R: usize>(q: [&[f32]; R], k: [&[f32]; DOT_BATCH]) -> [[f32; DOT_BATCH]; R] {
-    let hd = q[0].len();
-    let whole = hd / LANES * LANES;
-    assert!(q.iter().all(|q| q.len() == hd) && k.iter().all(|k| k.len() >= hd), "key rows as long as the queries");
-    let mut out = [[0f32; DOT_BATCH]; R];
-    #[cfg(all(target_arch = "x86_64", target_feature = "fma"))]
-    // SAFETY: FMA and AVX are enabled at compile time (the cfg above); every load reads 8 floats at
-    // an index below `whole`, which no slice is shorter than (asserted above); stores are of whole
-    // arrays of 4.
-    unsafe {
-        use std::arch::x86_64::*;
-        let mut a = [[_mm256_setzero_ps(); DOT_BATCH]; R];
-        for i in (0..whole).step_by(LANES) {
-            let x: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(q[r].as_ptr().add(i)));
-            for j in 0..DOT_BATCH {
-                let y = _mm256_loadu_ps(k[j].as_ptr().add(i));
-                for r in 0..R {
-                    a[r][j] = _mm256_fmadd_ps(x[r], y, a[r][j]);
-                }
-            }
-        }
-        // fold(acc) = ((a0+a4) + (a1+a5)) + ((a2+a6) + (a3+a7)): halves added, then two
-        // horizontal adds, four sums at a time.
-        let half = |v: __m256| _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        for r in 0..R {
-            let [a0, a1, a2, a3] = a[r];
-            let f = _mm_hadd_ps(_mm_hadd_ps(half(a0), half(a1)), _mm_hadd_ps(half(a2), half(a3)));
-            _mm_storeu_ps(out[r].as_mut_ptr(), f);
-        }
-    }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "fma")))]
-    for r in 0..R {
-        let mut acc = [[0f32; LANES]; DOT_BATCH];
-        for i in (0..whole).step_by(LANES) {
-            for j in 0..DOT_BATCH {
-                for l in 0..LANES {
-                    acc[j][l] = q[r][i + l].mul_add(k[j][i + l], acc[j][l]);
-                }
-            }
-        }
-        out[r] = acc.map(|a| fold(&a));
-    }
-    for r in 0..R {
-        for j in 0..DOT_BATCH {
-            for (x, y) in q[r][whole..].iter().zip(&k[j][whole..hd]) {
-                out[r][j] = x.mul_add(*y, out[r][j]);
-            }
-        }
-    }
-    out
 }
 
 const EXP_LOG2E: f64 = std::f64::consts::LOG2_E;
@@ -338,22 +279,20 @@ fn softmax_rows(scores: &mut [f32], n: usize, range: impl Fn(usize) -> (usize, u
         let (lo, hi) = range(r);
         exp_shifted(&mut scores[r * n + lo..r * n + hi]);
     }
-    let zeros = [0f32; 1];
     for first in (0..rows).step_by(SUM_ROWS) {
         let group = first..rows.min(first + SUM_ROWS);
         let lo = group.clone().map(|r| range(r).0).min().unwrap_or(0);
         let hi = group.clone().map(|r| range(r).1).max().unwrap_or(0);
-        // Each of the group's rows over lo..hi (a missing row reads one zero over and over).
-        let mut row: [&[f32]; SUM_ROWS] = [&zeros; SUM_ROWS];
-        let mut step = [0usize; SUM_ROWS];
-        for (i, r) in group.clone().enumerate() {
-            row[i] = &scores[r * n + lo..r * n + hi];
-            step[i] = 1;
-        }
+        // Each of the group's rows over lo..hi; past the last row, the first again (its sum
+        // unused), so every lane has a row.
+        let row: [&[f32]; SUM_ROWS] = std::array::from_fn(|i| {
+            let r = if first + i < group.end { first + i } else { first };
+            &scores[r * n + lo..r * n + hi]
+        });
         let mut sums = [0f32; SUM_ROWS];
         for p in 0..hi - lo {
-            for i in 0..SUM_ROWS {
-                sums[i] += row[i][p * step[i]];
+            for (sum, row) in sums.iter_mut().zip(&row) {
+                *sum += row[p];
             }
         }
         for (i, r) in group.enumerate() {
@@ -404,27 +343,20 @@ fn qk_run<const R: usize>(q: [&[f32]; R], keys: &[f32], off: usize, stride: usiz
         unsafe { qk_run_fma(q, keys, stride, hd, n, scale, out) };
         return;
     }
-    let key = |s: usize| &keys[off + s * stride..off + s * stride + hd];
-    let mut s = 0;
-    while s + DOT_BATCH <= n {
-        let d = dot_batch(q, std::array::from_fn(|j| key(s + j)));
-        for r in 0..R {
-            for j in 0..DOT_BATCH {
-                out[r][s + j] = d[r][j] * scale;
-            }
-        }
-        s += DOT_BATCH;
-    }
+    // Any other head size or CPU: one dot product at a time, the same bits.
     for r in 0..R {
-        for (t, o) in out[r].iter_mut().enumerate().skip(s) {
-            *o = dot(q[r], key(t)) * scale;
+        for (s, o) in out[r].iter_mut().enumerate() {
+            *o = dot(q[r], &keys[off + s * stride..][..hd]) * scale;
         }
     }
 }
 
-/// [`qk_run`] for a head size that is a multiple of [`LANES`], as one loop over raw rows: the
-/// same operations as [`dot_batch`] (and so the bits of [`dot`]), without a bounds check or a
-/// scalar store per score, which cost more than the dot products themselves.
+/// [`qk_run`] for a head size that is a multiple of [`LANES`], as one loop over raw rows: each
+/// score is bit-for-bit [`dot`] (the same lanes, the same fused multiply-adds in the same order,
+/// the same fold), for [`DOT_BATCH`] keys and `R` queries at once: independent chains, each key
+/// load shared by the queries, the lanes of all the sums folded together in vector registers. Left
+/// to itself the compiler vectorizes across the keys instead of across lanes, which is slower; and
+/// a bounds check or a scalar store per score costs more than the dot products themselves.
 ///
 /// SAFETY: `hd` floats are readable at each `q[r]` and at `keys + s * stride` for `s < n`; `n`
 /// floats are writable at each `out[r]`, and no output overlaps another or the inputs.
@@ -759,25 +691,10 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_of_dots_for_several_queries_is_bit_for_bit_dot() {
-        for hd in [64, 67, 128] {
-            let q = wave(hd, 0.37);
-            let keys: Vec<Vec<f32>> = (0..DOT_BATCH).map(|j| wave(hd, 0.11 + j as f32 * 0.07)).collect();
-            let q2 = wave(hd, 0.53);
-            let got = dot_batch([&q, &q2], std::array::from_fn(|j| keys[j].as_slice()));
-            for j in 0..DOT_BATCH {
-                assert_eq!(got[0][j].to_bits(), dot(&q, &keys[j]).to_bits(), "hd {hd}, key {j}");
-                assert_eq!(got[1][j].to_bits(), dot(&q2, &keys[j]).to_bits(), "hd {hd}, key {j}, second query");
-            }
-            assert_eq!(dot_batch([&q], std::array::from_fn(|j| keys[j].as_slice()))[0], got[0], "one query alone");
-        }
-    }
-
-    #[test]
     fn paged_kernels_sum_every_position_in_order_across_scattered_blocks_paired_or_alone() {
         use crate::kv_cache::BlockId;
-        // 72: the vector kernel; 67: the plain one, for head sizes that are no multiple of 8.
-        for hd in [72, 67] {
+        // 72 and 128: the vector kernel; 67: the plain one, for head sizes that are no multiple of 8.
+        for hd in [72, 128, 67] {
             let (block_size, n_kv_head) = (4, 2);
             let stride = n_kv_head * hd;
             let blocks: Vec<BlockId> = [5, 0, 3, 7].map(BlockId::new).to_vec();
