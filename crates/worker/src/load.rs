@@ -46,11 +46,13 @@ pub struct ModelArgs {
     #[arg(long, env = "BELLOWS_NO_REQUANTIZE")]
     pub no_requantize: bool,
     /// Do not zero-pad matmul inputs for candle's repacked Q8_0 kernels (slower, finer activation
-    /// quantization).
+    /// quantization; only where those kernels run: without AVX-512 VNNI, or with
+    /// `--candle-matmul`).
     #[arg(long, env = "BELLOWS_NO_REPACK")]
     pub no_repack: bool,
-    /// Run Q8_0 matmuls on candle's kernels instead of ours (bit-identical, slower; for
-    /// comparisons).
+    /// Run Q8_0 matmuls on candle's kernels instead of ours (slower; for comparisons: bit-identical
+    /// to our AVX2 kernel, not to the AVX-512 VNNI one, which quantizes activations per 32 values
+    /// rather than per 256).
     #[arg(long, env = "BELLOWS_CANDLE_MATMUL")]
     pub candle_matmul: bool,
 }

@@ -29,12 +29,14 @@ use super::{
     Backend, BatchRow, ModelSpec,
     attention::{Attention, Heads, LayerKv, Rope, RopeStyle, paged_attention},
     q8_matmul::{self, Q8Weights},
+    q8_vnni::{self, VnniWeights},
 };
 
 /// Load-time choices.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Re-quantize Q4_1/Q5_0/Q5_1 weights to Q8_0 (faster matmuls on x86, slightly more memory).
+    /// Re-quantize Q4_1/Q5_0/Q5_1 weights to Q8_0 (faster matmuls on x86, slightly more memory);
+    /// Q4_1 stays as it is where our AVX-512 VNNI kernels take it.
     pub requantize: bool,
     /// Zero-pad matmul inputs so candle's repacked Q8_0 kernels apply, where the CPU has them
     /// (about 1.5x faster decode on the default model; activations are then quantized per 256
@@ -42,8 +44,9 @@ pub struct LoadOptions {
     pub repack: bool,
     /// Show a progress bar on stderr while loading (hidden when stderr is not a terminal).
     pub progress: bool,
-    /// Run Q8_0 matmuls on our own kernels (`q8_matmul`) where the CPU has them and candle's
-    /// repacked ones do not apply.
+    /// Run matmuls on our own kernels where the CPU has them: the tiled ones (`q8_vnni`) on every
+    /// Q8_0 and Q4_1 matrix with AVX-512 VNNI, else the AVX2 one (`q8_matmul`) on Q8_0 matrices
+    /// where candle's repacked kernels do not apply.
     pub own_matmul: bool,
 }
 
@@ -183,22 +186,25 @@ impl LlamaConfig {
     }
 }
 
-/// A quantized matmul: ours for Q8_0 weights on CPUs with AVX2 and FMA (`q8_matmul`: bit-identical
-/// to candle's, several times faster over many rows), else candle's. With AVX-VNNI, candle's
-/// repacked Q8_0 kernels take every matrix whose outputs are a multiple of 16, with the input
-/// zero-padded to a multiple of 256 columns where it is not one already: those read the weights
-/// about twice as fast as the generic path, which more than pays for the padding (576 -> 768 for
-/// SmolLM2), and on a 1536-wide input (SmolLM2's down projection) run 2.4x faster than ours. Zero columns add exact zeros, and every kernel works row by
-/// row, so batch invariance holds.
+/// A quantized matmul. For Q8_0 (and Q4_1) weights, in order of preference: our tiled kernels where
+/// the CPU has AVX-512 VNNI (`q8_vnni`: any input width that is a whole number of blocks, weights
+/// at their file's size); for Q8_0 then candle's repacked kernels where it has VNNI of some kind, on every matrix whose
+/// outputs are a multiple of 16, with the input zero-padded to a multiple of 256 columns where it
+/// is not one already (576 -> 768 for SmolLM2: about twice as fast as candle's generic kernel,
+/// which more than pays for the padding); else our AVX2 kernel (`q8_matmul`: bit-identical to
+/// candle's generic one, several times faster over many rows). Zero columns add exact zeros, and
+/// every kernel works row by row, so batch invariance holds.
 enum Linear {
     Candle { mm: QMatMul, pad: usize },
     Own(Q8Weights),
+    Vnni(VnniWeights),
 }
 
 impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Linear::Own(w) => w.forward(x),
+            Linear::Vnni(w) => w.forward(x),
             Linear::Candle { mm, pad: 0 } => Ok(mm.forward(x)?),
             Linear::Candle { mm, pad } => Ok(mm.forward(&x.pad_with_zeros(D::Minus1, 0, *pad)?)?),
         }
@@ -292,13 +298,17 @@ struct Loader<'a> {
     requantize: bool,
     pad: bool,
     own_matmul: bool,
+    /// Our AVX-512 VNNI kernels take Q8_0 and Q4_1 matrices.
+    vnni: bool,
 }
 
 impl Loader<'_> {
     fn qtensor(&mut self, name: &str) -> Result<QTensor> {
         let t = self.content.tensor(&mut self.file, name, &self.device)?;
         let slow = matches!(t.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
-        if self.requantize && slow {
+        // Our VNNI kernels run Q4_1 as it is: fewer bytes than Q8_0, and no second rounding.
+        let kept = self.vnni && VnniWeights::takes(t.dtype());
+        if self.requantize && slow && !kept {
             let f = t.dequantize(&self.device)?;
             return Ok(QTensor::quantize(&f, GgmlDType::Q8_0)?);
         }
@@ -308,6 +318,10 @@ impl Loader<'_> {
     /// A matmul over `t`, padded for the repacked kernels where that helps.
     fn linear(&self, t: QTensor) -> Result<Linear> {
         let (n, k) = t.shape().dims2()?;
+        if self.vnni && VnniWeights::takes(t.dtype()) {
+            return Ok(Linear::Vnni(VnniWeights::from_qtensor(&t)?));
+        }
+        let own_q8_0 = self.own_matmul && self.device.is_cpu() && t.dtype() == GgmlDType::Q8_0;
         if self.pad && self.device.is_cpu() && t.dtype() == GgmlDType::Q8_0 && n % REPACK_N == 0 {
             // A width already a multiple of 256 (SmolLM2's MLP down projection) needs no padding.
             let pad = k.next_multiple_of(REPACK_K) - k;
@@ -322,7 +336,7 @@ impl Loader<'_> {
             lin.forward(&Tensor::zeros((1, k), candle_core::DType::F32, &self.device)?)?;
             return Ok(lin);
         }
-        if self.own_matmul && self.device.is_cpu() && t.dtype() == GgmlDType::Q8_0 && q8_matmul::available() {
+        if own_q8_0 && q8_matmul::available() {
             return Ok(Linear::Own(Q8Weights::from_qtensor(&t)?));
         }
         Ok(Linear::Candle { mm: QMatMul::from_qtensor(t)?, pad: 0 })
@@ -383,6 +397,7 @@ impl LlamaModel {
             requantize: opts.requantize,
             pad: opts.repack && cpu_has_repacked_q8_0(),
             own_matmul: opts.own_matmul,
+            vnni: opts.own_matmul && device.is_cpu() && q8_vnni::available(),
         };
 
         let bar = if opts.progress {

@@ -8,6 +8,7 @@
 pub mod attention;
 pub mod llama;
 pub mod q8_matmul;
+pub mod q8_vnni;
 pub mod sim;
 
 use crate::kv_cache::BlockId;

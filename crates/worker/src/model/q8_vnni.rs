@@ -1,0 +1,556 @@
+//! Our int8 matrix multiply on CPUs with AVX-512 VNNI, for Q8_0 and Q4_1 weights: one `vpdpbusd`
+//! multiplies four inputs of sixteen output columns at once, and a pass keeps up to eight rows'
+//! sums in registers, so each weight load serves every row of the pass.
+//!
+//! Why not candle's repacked kernels, which use the same instruction: they take activations only
+//! in 256-wide blocks, so every matrix whose input is not a multiple of 256 wide must be zero-padded
+//! (SmolLM2's 576 becomes 768: a third more weight bytes for decode to stream), they take no Q4_1
+//! (the default model's format, which the loader otherwise re-quantizes to Q8_0: 70% more bytes
+//! and a second rounding), and their inner loop keeps at most four rows and indexes its
+//! accumulators at run time. Here the input width need only be a multiple of 32, the weights keep
+//! their file's size (Q4_1: 16 bytes of nibbles and two f16 per 32 values), and the row count of a
+//! pass is a compile-time constant, so its sums never leave registers.
+//!
+//! Layout: the weights go in tiles of 16 output columns; per tile and input block, the quants of
+//! the 16 columns lie as [4-input group][column][4 inputs] (`vpdpbusd`'s shape), beside the 16
+//! scales (and, for Q4_1, the 16 minimums). Q8_0 quants are offset by +128 (`vpdpbusd` takes one
+//! unsigned operand); Q4_1's are unsigned already, groups 0-3 in the low nibbles and 4-7 in the
+//! high ones, as GGUF packs them. Activations are quantized per row to Q8_0 (an f32 scale per 32
+//! values, rounded through f16 as GGUF stores it; quants rounded half to even), as llama.cpp
+//! quantizes them for these formats; each block also keeps the sum of its quants, which takes
+//! Q8_0's offset back out exactly and carries Q4_1's minimum.
+//!
+//! The invariant, exactness: an output is a sum over blocks `b`, in order, of
+//! `acc = fma(f32(dot_b) * w_scale_b, x_scale_b, acc)`, where `dot_b` is the exact integer dot
+//! product of block `b` (Q4_1 then adds a second such sum, of `fma(w_min_b, x_scaled_sum_b, ·)`,
+//! at the end: llama.cpp's formula for Q4_1 against Q8_1). No step depends on the other rows of the pass or the batch, so a row's
+//! output is the same bits however many rows share the call (tests below check it against a
+//! scalar model of that sequence, and against the same row alone).
+
+use std::borrow::Cow;
+
+use anyhow::{Result, bail, ensure};
+use candle_core::{
+    CpuStorage, Device, Storage, Tensor,
+    quantized::{GgmlDType, QTensor},
+};
+use half::f16;
+
+/// Values per quantization block.
+const BLOCK: usize = 32;
+/// Bytes of a GGUF Q8_0 block: an f16 scale, then 32 signed quants.
+const Q8_0_BYTES: usize = 2 + BLOCK;
+/// Bytes of a GGUF Q4_1 block: an f16 scale and minimum, then 32 nibbles (byte `j`: value `j` low,
+/// value `j + 16` high).
+const Q4_1_BYTES: usize = 4 + BLOCK / 2;
+/// Output columns per tile: the lanes of one 16-wide register.
+const TILE: usize = 16;
+/// Inputs one `vpdpbusd` lane sums.
+const GROUP: usize = 4;
+/// Most rows a pass keeps in registers (two registers each: the block's integer sum and the row's
+/// running f32 sums).
+const MAX_ROWS: usize = 8;
+
+/// Whether this CPU runs the kernels, AVX-512 F, BW and VNNI (checked at run time: the build
+/// targets x86-64-v3).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Quantized weights of an `n × k` matrix (`n` outputs), tiled for the kernel (see the module docs).
+pub struct VnniWeights {
+    n: usize,
+    k: usize,
+    format: Format,
+}
+
+/// The tiles' quants, per tile, per block (index `tile * blocks + block`); scales and minimums
+/// are zero past `n`.
+enum Format {
+    /// `[group][column][4]`, each quant + 128.
+    Q8_0 { quants: Vec<[u8; BLOCK * TILE]>, scales: Vec<[f16; TILE]> },
+    /// `[group 0-3][column][4]`, group `g + 4` in the high nibble of group `g`'s byte.
+    Q4_1 { quants: Vec<[u8; BLOCK * TILE / 2]>, scales: Vec<[f16; TILE]>, mins: Vec<[f16; TILE]> },
+}
+
+/// Activations quantized per row, block by block.
+struct QuantRows {
+    blocks: usize,
+    quants: Vec<[i8; BLOCK]>,
+    scales: Vec<f32>,
+    /// The sum of each block's quants.
+    sums: Vec<i32>,
+    /// The block's (unrounded) scale times that sum, rounded through f16: llama.cpp's Q8_1 `s`,
+    /// which carries Q4_1's minimum.
+    scaled_sums: Vec<f32>,
+}
+
+impl VnniWeights {
+    /// Whether `from_qtensor` takes weights of this type.
+    pub fn takes(dtype: GgmlDType) -> bool {
+        matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_1)
+    }
+
+    /// From a Q8_0 or Q4_1 tensor of shape `(n, k)`; `k` must be a whole number of blocks.
+    pub fn from_qtensor(t: &QTensor) -> Result<Self> {
+        let (n, k) = t.shape().dims2()?;
+        ensure!(k % BLOCK == 0, "a row of {k} values is not a whole number of blocks");
+        let data: Cow<[u8]> = t.data()?;
+        let (nb, tiles) = (k / BLOCK, n.div_ceil(TILE));
+        let bytes = match t.dtype() {
+            GgmlDType::Q8_0 => Q8_0_BYTES,
+            GgmlDType::Q4_1 => Q4_1_BYTES,
+            other => bail!("our matmul takes Q8_0 or Q4_1 weights, not {other:?}"),
+        };
+        ensure!(data.len() == n * nb * bytes, "{:?} data of {} bytes for {n}x{k}", t.dtype(), data.len());
+        // (tile * blocks + block, lane, the GGUF block) for every column's every block.
+        let blocks = (0..n).flat_map(|col| {
+            let data = &data;
+            (0..nb).map(move |b| {
+                let at = (col * nb + b) * bytes;
+                ((col / TILE) * nb + b, col % TILE, &data[at..at + bytes])
+            })
+        });
+        let half = |block: &[u8], at: usize| f16::from_le_bytes([block[at], block[at + 1]]);
+        // Within a tile's block, input `i` of column `lane` (of a group of four) sits here.
+        let slot = |i: usize, lane: usize| (i / GROUP) * TILE * GROUP + lane * GROUP + i % GROUP;
+        let format = if t.dtype() == GgmlDType::Q8_0 {
+            // Columns past `n`: quants 0 (128 once offset), scale 0; never written out.
+            let (mut quants, mut scales) =
+                (vec![[128u8; BLOCK * TILE]; tiles * nb], vec![[f16::ZERO; TILE]; tiles * nb]);
+            for (at, lane, block) in blocks {
+                scales[at][lane] = half(block, 0);
+                for (i, &q) in block[2..].iter().enumerate() {
+                    quants[at][slot(i, lane)] = (q as i8 as i16 + 128) as u8;
+                }
+            }
+            Format::Q8_0 { quants, scales }
+        } else {
+            let mut quants = vec![[0u8; BLOCK * TILE / 2]; tiles * nb];
+            let (mut scales, mut mins) = (vec![[f16::ZERO; TILE]; tiles * nb], vec![[f16::ZERO; TILE]; tiles * nb]);
+            for (at, lane, block) in blocks {
+                (scales[at][lane], mins[at][lane]) = (half(block, 0), half(block, 2));
+                // GGUF's byte `j` holds values `j` and `j + 16`: groups `g` and `g + 4`, as here.
+                for (j, &q) in block[4..].iter().enumerate() {
+                    quants[at][slot(j, lane)] = q;
+                }
+            }
+            Format::Q4_1 { quants, scales, mins }
+        };
+        Ok(VnniWeights { n, k, format })
+    }
+
+    /// `x · selfᵀ` for `x` of shape `(…, k)`: shape `(…, n)`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims();
+        let Some((&k, outer)) = dims.split_last() else { bail!("a matmul input needs a last dimension") };
+        ensure!(k == self.k, "input of width {k} for weights of width {}", self.k);
+        let m = outer.iter().product::<usize>();
+        let rows = {
+            let (storage, layout) = x.storage_and_layout();
+            match (&*storage, layout.contiguous_offsets()) {
+                (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => QuantRows::quantize(&v[start..end], k),
+                _ => QuantRows::quantize(&x.flatten_all()?.to_vec1::<f32>()?, k),
+            }
+        };
+        let mut out = vec![0f32; m * self.n];
+        self.matmul(&rows, m, &mut out);
+        let mut shape = outer.to_vec();
+        shape.push(self.n);
+        Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
+    }
+
+    /// Work items: (column tile, pass of up to eight rows), tile-major, so one thread's consecutive
+    /// items reuse a tile's weights from L1; split across candle's pool.
+    fn matmul(&self, rows: &QuantRows, m: usize, out: &mut [f32]) {
+        let tiles = self.n.div_ceil(TILE);
+        let passes = m.div_ceil(MAX_ROWS);
+        let out_at = out.as_mut_ptr() as usize;
+        let work = |items: std::ops::Range<usize>| {
+            for item in items {
+                let (tile, pass) = (item / passes, item % passes);
+                let first = pass * MAX_ROWS;
+                let count = MAX_ROWS.min(m - first);
+                // SAFETY: each (row, column) of `out` belongs to exactly one item; the kernel
+                // writes only the columns below `n` of its rows. `available` was checked before
+                // any `VnniWeights` was made.
+                unsafe { self.pass(rows, first, count, tile, out_at as *mut f32) };
+            }
+        };
+        candle_core::utils::barrier_pool().execute_chunked(tiles * passes, work);
+    }
+
+    /// Rows `first..first + count` (at most `MAX_ROWS`) against one tile.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VNNI; `out` points to an `m × n` buffer no other thread writes
+    /// these elements of.
+    unsafe fn pass(&self, rows: &QuantRows, first: usize, count: usize, tile: usize, out: *mut f32) {
+        let nb = self.k / BLOCK;
+        let span = tile * nb..(tile + 1) * nb;
+        let x = rows.range(first, count);
+        let cols = TILE.min(self.n - tile * TILE);
+        // SAFETY: the caller's promise; row `first + r`'s columns of this tile start here.
+        let dst = unsafe { out.add(first * self.n + tile * TILE) };
+        let w = match &self.format {
+            Format::Q8_0 { quants, scales } => {
+                TileRef { quants: quants[span.clone()].as_flattened(), scales: &scales[span], mins: &[] }
+            }
+            Format::Q4_1 { quants, scales, mins } => TileRef {
+                quants: quants[span.clone()].as_flattened(),
+                scales: &scales[span.clone()],
+                mins: &mins[span],
+            },
+        };
+        let nibbles = matches!(self.format, Format::Q4_1 { .. });
+        /// The kernel for `count` rows and the format, compile-time constants in each arm.
+        macro_rules! by_rows {
+            ($($rows:literal)*) => {
+                match (count, nibbles) {
+                    // SAFETY: as above, for each arm.
+                    $(($rows, false) => unsafe { kernel::<$rows, false>(w, x, dst, self.n, cols) },
+                    ($rows, true) => unsafe { kernel::<$rows, true>(w, x, dst, self.n, cols) },)*
+                    _ => unreachable!("a pass has 1 to {MAX_ROWS} rows"),
+                }
+            };
+        }
+        by_rows!(1 2 3 4 5 6 7 8)
+    }
+}
+
+/// One tile's blocks, in input order: `quants` per block as its format lays them out (512 bytes
+/// for Q8_0, 256 of nibbles for Q4_1), `mins` empty for Q8_0.
+#[derive(Clone, Copy)]
+struct TileRef<'a> {
+    quants: &'a [u8],
+    scales: &'a [[f16; TILE]],
+    mins: &'a [[f16; TILE]],
+}
+
+/// Consecutive rows' quantized blocks (`blocks` per row).
+#[derive(Clone, Copy)]
+struct RowRange<'a> {
+    blocks: usize,
+    quants: &'a [[i8; BLOCK]],
+    scales: &'a [f32],
+    sums: &'a [i32],
+    scaled_sums: &'a [f32],
+}
+
+impl RowRange<'_> {
+    /// Row `r`'s quants of groups `g` and `g + 4` of block `b`, four bytes each, as `vpdpbusd`'s
+    /// broadcast operand.
+    #[inline(always)]
+    fn groups(&self, r: usize, b: usize, g: usize) -> (i32, i32) {
+        let q = &self.quants[r * self.blocks + b];
+        let four = |at: usize| i32::from_le_bytes([q[at], q[at + 1], q[at + 2], q[at + 3]].map(|v| v as u8));
+        (four(g * GROUP), four((g + 4) * GROUP))
+    }
+}
+
+impl QuantRows {
+    /// Rows of `k` values (a whole number of blocks) to Q8_0, block by block; many rows are split
+    /// across candle's pool.
+    fn quantize(xs: &[f32], k: usize) -> QuantRows {
+        let count = xs.len() / BLOCK;
+        let mut rows = QuantRows {
+            blocks: k / BLOCK,
+            quants: vec![[0i8; BLOCK]; count],
+            scales: vec![0f32; count],
+            sums: vec![0i32; count],
+            scaled_sums: vec![0f32; count],
+        };
+        let at = (
+            rows.quants.as_mut_ptr() as usize,
+            rows.scales.as_mut_ptr() as usize,
+            rows.sums.as_mut_ptr() as usize,
+            rows.scaled_sums.as_mut_ptr() as usize,
+        );
+        let work = |blocks: std::ops::Range<usize>| {
+            let (quants, scales, sums, scaled) =
+                (at.0 as *mut [i8; BLOCK], at.1 as *mut f32, at.2 as *mut i32, at.3 as *mut f32);
+            for i in blocks {
+                let x: &[f32; BLOCK] = xs[i * BLOCK..(i + 1) * BLOCK].try_into().expect("one block");
+                // SAFETY: block `i` belongs to this range alone, and is below `count`; AVX-512F
+                // was checked before any `VnniWeights` was made.
+                unsafe { (*scales.add(i), *sums.add(i), *scaled.add(i)) = quantize_block(x, &mut *quants.add(i)) };
+            }
+        };
+        // Below a few thousand blocks the pool's wake-up costs more than it saves.
+        if count < 2048 {
+            work(0..count)
+        } else {
+            candle_core::utils::barrier_pool().execute_chunked(count, work)
+        }
+        rows
+    }
+
+    fn range(&self, first: usize, count: usize) -> RowRange<'_> {
+        let span = first * self.blocks..(first + count) * self.blocks;
+        RowRange {
+            blocks: self.blocks,
+            quants: &self.quants[span.clone()],
+            scales: &self.scales[span.clone()],
+            sums: &self.sums[span.clone()],
+            scaled_sums: &self.scaled_sums[span],
+        }
+    }
+}
+
+/// One block to Q8_0: the scale `amax / 127` (rounded through f16), each quant `x / scale` rounded
+/// half to even, as llama.cpp's AVX code quantizes activations. Returns (scale, sum of the quants,
+/// unrounded scale times that sum rounded through f16).
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn quantize_block(x: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> (f32, i32, f32) {
+    use std::arch::x86_64::*;
+    // SAFETY: 32 floats, loaded unaligned as two halves.
+    let (a, b) = unsafe { (_mm512_loadu_ps(x.as_ptr()), _mm512_loadu_ps(x.as_ptr().add(16))) };
+    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    let d = amax / 127.0;
+    let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+    // Conversion rounds as MXCSR says: to nearest, ties to even.
+    let (qa, qb) = (_mm512_cvtps_epi32(_mm512_mul_ps(a, id)), _mm512_cvtps_epi32(_mm512_mul_ps(b, id)));
+    let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    // SAFETY: 16 bytes each, the two halves of the block's quants.
+    unsafe {
+        _mm_storeu_si128(q.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128(q.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(qb));
+    }
+    (f16::from_f32(d).to_f32(), sum, f16::from_f32(d * sum as f32).to_f32())
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn quantize_block(_: &[f32; BLOCK], _: &mut [i8; BLOCK]) -> (f32, i32, f32) {
+    unreachable!("VnniWeights are only made where `available` is true")
+}
+
+/// `R` consecutive rows against one tile, of Q4_1 if `NIBBLES` else of Q8_0: row `r`'s `cols`
+/// outputs go to `out + r * stride`, each summed in the order the module docs give.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `x` holds `R` rows; `out + r * stride .. + cols` is
+/// writable for each row `r`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn kernel<const R: usize, const NIBBLES: bool>(
+    w: TileRef,
+    x: RowRange,
+    out: *mut f32,
+    stride: usize,
+    cols: usize,
+) {
+    use std::arch::x86_64::*;
+    let nb = x.blocks;
+    let block_bytes = if NIBBLES { BLOCK * TILE / 2 } else { BLOCK * TILE };
+    let nibble = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        let wq = w.quants[b * block_bytes..(b + 1) * block_bytes].as_ptr();
+        // SAFETY: 16 f16 scales, loaded unaligned.
+        let w_scale = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(w.scales[b].as_ptr().cast()) });
+        // Two chains a row (groups 0-3 and 4-7), added at the end: integer sums are exact in any
+        // order, and half-length chains keep twice as many multiplies in flight. For Q8_0 the
+        // first starts at -128 * sum(x), taking the weights' offset back out.
+        let mut lo: [__m512i; R] = std::array::from_fn(|r| {
+            if NIBBLES { _mm512_setzero_si512() } else { _mm512_set1_epi32(-128 * x.sums[r * nb + b]) }
+        });
+        let mut hi = [_mm512_setzero_si512(); R];
+        for g in 0..BLOCK / GROUP / 2 {
+            // SAFETY: groups `g` and `g + 4` of the block: 64 bytes each inside its 512 (Q8_0), or
+            // packed in 64 bytes inside its 256 (Q4_1); unaligned.
+            let (w_lo, w_hi) = unsafe {
+                if NIBBLES {
+                    let packed = _mm512_loadu_si512(wq.add(g * TILE * GROUP).cast());
+                    (_mm512_and_si512(packed, nibble), _mm512_and_si512(_mm512_srli_epi16::<4>(packed), nibble))
+                } else {
+                    (
+                        _mm512_loadu_si512(wq.add(g * TILE * GROUP).cast()),
+                        _mm512_loadu_si512(wq.add((g + 4) * TILE * GROUP).cast()),
+                    )
+                }
+            };
+            for r in 0..R {
+                let (a, c) = x.groups(r, b, g);
+                lo[r] = _mm512_dpbusd_epi32(lo[r], w_lo, _mm512_set1_epi32(a));
+                hi[r] = _mm512_dpbusd_epi32(hi[r], w_hi, _mm512_set1_epi32(c));
+            }
+        }
+        for r in 0..R {
+            let dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r]));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, w_scale), _mm512_set1_ps(x.scales[r * nb + b]), acc[r]);
+        }
+    }
+    if NIBBLES {
+        // Q4_1's minimums' terms on their own sums, added last (as llama.cpp adds them).
+        let mut mins = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            // SAFETY: 16 f16 minimums, loaded unaligned.
+            let w_min = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(w.mins[b].as_ptr().cast()) });
+            for (r, mins) in mins.iter_mut().enumerate() {
+                *mins = _mm512_fmadd_ps(w_min, _mm512_set1_ps(x.scaled_sums[r * nb + b]), *mins);
+            }
+        }
+        acc = std::array::from_fn(|r| _mm512_add_ps(acc[r], mins[r]));
+    }
+    // SAFETY: the caller's promise.
+    unsafe { store(&acc, out, stride, cols) };
+}
+
+/// Row `r`'s first `cols` sums to `out + r * stride`.
+///
+/// # Safety
+/// The CPU has AVX-512F; those outputs are writable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn store<const R: usize>(acc: &[std::arch::x86_64::__m512; R], out: *mut f32, stride: usize, cols: usize) {
+    use std::arch::x86_64::*;
+    let mask: __mmask16 = if cols == TILE { !0 } else { (1u16 << cols) - 1 };
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: the caller's promise for row `r`'s `cols` outputs; masked lanes are not touched.
+        unsafe { _mm512_mask_storeu_ps(out.add(r * stride), mask, *acc) };
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel<const R: usize, const NIBBLES: bool>(_: TileRef, _: RowRange, _: *mut f32, _: usize, _: usize) {
+    unreachable!("VnniWeights are only made where `available` is true")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The module docs' quantization in scalar code.
+    /// (quants, scales, scaled sums) per block.
+    fn scalar_quantize(x: &[f32]) -> (Vec<[i8; BLOCK]>, Vec<f32>, Vec<f32>) {
+        let (mut quants, mut scales, mut scaled_sums) = (Vec::new(), Vec::new(), Vec::new());
+        for block in x.chunks_exact(BLOCK) {
+            let amax = block.iter().fold(0f32, |a, &v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let q: [i8; BLOCK] = std::array::from_fn(|i| (block[i] * id).round_ties_even() as i8);
+            let sum: i32 = q.iter().map(|&v| v as i32).sum();
+            quants.push(q);
+            scales.push(f16::from_f32(d).to_f32());
+            scaled_sums.push(f16::from_f32(d * sum as f32).to_f32());
+        }
+        (quants, scales, scaled_sums)
+    }
+
+    /// The module docs' sequence, one output at a time, in scalar code, from the GGUF blocks.
+    fn scalar_model(w: &QTensor, x: &[f32], n: usize, k: usize) -> Vec<f32> {
+        let data = w.data().unwrap();
+        let nb = k / BLOCK;
+        let (quants, scales, scaled_sums) = scalar_quantize(x);
+        let half = |block: &[u8], at: usize| f16::from_le_bytes([block[at], block[at + 1]]).to_f32();
+        let mut out = Vec::new();
+        for r in 0..x.len() / k {
+            for c in 0..n {
+                let (mut acc, mut mins) = (0f32, 0f32);
+                for b in 0..nb {
+                    let (xq, x_scale) = (&quants[r * nb + b], scales[r * nb + b]);
+                    match w.dtype() {
+                        GgmlDType::Q8_0 => {
+                            let block = &data[(c * nb + b) * Q8_0_BYTES..][..Q8_0_BYTES];
+                            let dot: i32 = block[2..].iter().zip(xq).map(|(&w, &x)| w as i8 as i32 * x as i32).sum();
+                            acc = (dot as f32 * half(block, 0)).mul_add(x_scale, acc);
+                        }
+                        _ => {
+                            let block = &data[(c * nb + b) * Q4_1_BYTES..][..Q4_1_BYTES];
+                            let value =
+                                |i: usize| (if i < 16 { block[4 + i] & 15 } else { block[4 + i - 16] >> 4 }) as i32;
+                            let dot: i32 = (0..BLOCK).map(|i| value(i) * xq[i] as i32).sum();
+                            acc = (dot as f32 * half(block, 0)).mul_add(x_scale, acc);
+                            mins = half(block, 2).mul_add(scaled_sums[r * nb + b], mins);
+                        }
+                    }
+                }
+                out.push(if w.dtype() == GgmlDType::Q8_0 { acc } else { acc + mins });
+            }
+        }
+        out
+    }
+
+    fn weights(n: usize, k: usize, dtype: GgmlDType) -> QTensor {
+        let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+        QTensor::quantize(&w, dtype).unwrap()
+    }
+
+    fn flat(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    const FORMATS: [GgmlDType; 2] = [GgmlDType::Q8_0, GgmlDType::Q4_1];
+
+    #[test]
+    fn every_output_is_the_scalar_sequence_bit_for_bit_whatever_the_number_of_rows() {
+        if !available() {
+            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            return;
+        }
+        // The default model's widths, an input that is no multiple of 256, and a partial tile.
+        for (dtype, (n, k)) in
+            FORMATS.into_iter().flat_map(|d| [(960, 576), (576, 1536), (18, 64), (40, 96)].map(|s| (d, s)))
+        {
+            let q = weights(n, k, dtype);
+            let ours = VnniWeights::from_qtensor(&q).unwrap();
+            for m in [1, 2, 3, 7, 8, 9, 17, 33, 130] {
+                let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
+                let want = scalar_model(&q, &flat(&x), n, k);
+                let got = flat(&ours.forward(&x).unwrap());
+                let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(differ, 0, "{dtype:?} {n}x{k}, {m} rows: {differ} of {} outputs differ", got.len());
+            }
+        }
+    }
+
+    #[test]
+    fn a_rows_output_does_not_depend_on_the_rows_beside_it() {
+        if !available() {
+            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            return;
+        }
+        let x = Tensor::randn(0f32, 1.0, (37, 576), &Device::Cpu).unwrap();
+        for dtype in FORMATS {
+            let ours = VnniWeights::from_qtensor(&weights(100, 576, dtype)).unwrap();
+            let all: Vec<Vec<f32>> = ours.forward(&x).unwrap().to_vec2().unwrap();
+            for r in [0, 1, 7, 8, 15, 36] {
+                let alone: Vec<Vec<f32>> = ours.forward(&x.narrow(0, r, 1).unwrap()).unwrap().to_vec2().unwrap();
+                assert_eq!(alone[0], all[r], "{dtype:?}: row {r} alone differs from row {r} in a batch of 37");
+            }
+        }
+    }
+
+    #[test]
+    fn the_result_is_the_product_with_the_dequantized_weights_within_activation_rounding() {
+        if !available() {
+            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            return;
+        }
+        let (n, k, m) = (48, 256, 5);
+        let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
+        for dtype in FORMATS {
+            let q = weights(n, k, dtype);
+            let exact = flat(&x.matmul(&q.dequantize(&Device::Cpu).unwrap().t().unwrap()).unwrap());
+            let got = flat(&VnniWeights::from_qtensor(&q).unwrap().forward(&x).unwrap());
+            // Activations rounded to a 254th of each block's range: about 0.1 over 256 terms of
+            // unit variance.
+            for (a, b) in got.iter().zip(&exact) {
+                assert!((a - b).abs() < 0.5, "{dtype:?}: {a} against {b}");
+            }
+        }
+    }
+}
