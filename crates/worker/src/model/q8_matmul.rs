@@ -63,6 +63,8 @@ struct Q8Rows {
 impl Q8Weights {
     /// From a Q8_0 tensor of shape `(n, k)`; `k` must be a whole number of blocks.
     pub fn from_qtensor(t: &QTensor) -> Result<Self> {
+        // The kernels' safety rests on this: no weights, no calls.
+        ensure!(available(), "this CPU lacks AVX2 and FMA, which these kernels need");
         ensure!(t.dtype() == GgmlDType::Q8_0, "our matmul takes Q8_0 weights, not {:?}", t.dtype());
         let (n, k) = t.shape().dims2()?;
         ensure!(k % BLOCK == 0, "a row of {k} values is not a whole number of Q8_0 blocks");

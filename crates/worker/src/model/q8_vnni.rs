@@ -102,6 +102,8 @@ impl VnniWeights {
 
     /// From a Q8_0 or Q4_1 tensor of shape `(n, k)`; `k` must be a whole number of blocks.
     pub fn from_qtensor(t: &QTensor) -> Result<Self> {
+        // The kernels' safety rests on this: no weights, no calls.
+        ensure!(available(), "this CPU lacks AVX-512 VNNI, which these kernels need");
         let (n, k) = t.shape().dims2()?;
         ensure!(k % BLOCK == 0, "a row of {k} values is not a whole number of blocks");
         let data: Cow<[u8]> = t.data()?;
