@@ -38,9 +38,9 @@ pub struct LoadOptions {
     /// Re-quantize Q4_1/Q5_0/Q5_1 weights to Q8_0 (faster matmuls on x86, slightly more memory);
     /// Q4_1 stays as it is where our AVX-512 VNNI kernels take it.
     pub requantize: bool,
-    /// Zero-pad matmul inputs so candle's repacked Q8_0 kernels apply, where the CPU has them
-    /// (about 1.5x faster decode on the default model; activations are then quantized per 256
-    /// values instead of per 32).
+    /// Zero-pad matmul inputs so candle's repacked Q8_0 kernels apply, where the CPU has them and
+    /// our VNNI kernels do not take the matrix (about 1.5x faster decode on the default model;
+    /// activations are then quantized per 256 values instead of per 32).
     pub repack: bool,
     /// Show a progress bar on stderr while loading (hidden when stderr is not a terminal).
     pub progress: bool,
@@ -188,12 +188,12 @@ impl LlamaConfig {
 
 /// A quantized matmul. For Q8_0 (and Q4_1) weights, in order of preference: our tiled kernels where
 /// the CPU has AVX-512 VNNI (`q8_vnni`: any input width that is a whole number of blocks, weights
-/// at their file's size); for Q8_0 then candle's repacked kernels where it has VNNI of some kind, on every matrix whose
-/// outputs are a multiple of 16, with the input zero-padded to a multiple of 256 columns where it
-/// is not one already (576 -> 768 for SmolLM2: about twice as fast as candle's generic kernel,
-/// which more than pays for the padding); else our AVX2 kernel (`q8_matmul`: bit-identical to
-/// candle's generic one, several times faster over many rows). Zero columns add exact zeros, and
-/// every kernel works row by row, so batch invariance holds.
+/// at their file's size); for Q8_0 then candle's repacked kernels where it has VNNI of some kind,
+/// on every matrix whose outputs are a multiple of 16, with the input zero-padded to a multiple of
+/// 256 columns where it is not one already (576 -> 768 for SmolLM2: about twice as fast as
+/// candle's generic kernel, which more than pays for the padding); else our AVX2 kernel
+/// (`q8_matmul`: bit-identical to candle's generic one, several times faster over many rows). Zero
+/// columns add exact zeros, and every kernel works row by row, so batch invariance holds.
 enum Linear {
     Candle { mm: QMatMul, pad: usize },
     Own(Q8Weights),
@@ -321,7 +321,6 @@ impl Loader<'_> {
         if self.vnni && VnniWeights::takes(t.dtype()) {
             return Ok(Linear::Vnni(VnniWeights::from_qtensor(&t)?));
         }
-        let own_q8_0 = self.own_matmul && self.device.is_cpu() && t.dtype() == GgmlDType::Q8_0;
         if self.pad && self.device.is_cpu() && t.dtype() == GgmlDType::Q8_0 && n % REPACK_N == 0 {
             // A width already a multiple of 256 (SmolLM2's MLP down projection) needs no padding.
             let pad = k.next_multiple_of(REPACK_K) - k;
@@ -336,6 +335,7 @@ impl Loader<'_> {
             lin.forward(&Tensor::zeros((1, k), candle_core::DType::F32, &self.device)?)?;
             return Ok(lin);
         }
+        let own_q8_0 = self.own_matmul && self.device.is_cpu() && t.dtype() == GgmlDType::Q8_0;
         if own_q8_0 && q8_matmul::available() {
             return Ok(Linear::Own(Q8Weights::from_qtensor(&t)?));
         }

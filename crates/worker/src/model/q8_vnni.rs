@@ -6,10 +6,10 @@
 //! in 256-wide blocks, so every matrix whose input is not a multiple of 256 wide must be zero-padded
 //! (SmolLM2's 576 becomes 768: a third more weight bytes for decode to stream), they take no Q4_1
 //! (the default model's format, which the loader otherwise re-quantizes to Q8_0: 70% more bytes
-//! and a second rounding), and their inner loop keeps at most four rows and indexes its
-//! accumulators at run time. Here the input width need only be a multiple of 32, the weights keep
-//! their file's size (Q4_1: 16 bytes of nibbles and two f16 per 32 values), and the row count of a
-//! pass is a compile-time constant, so its sums never leave registers.
+//! and a second rounding), and their inner loop keeps at most four rows, their count known only at
+//! run time. Here the input width need only be a multiple of 32, the weights keep their file's
+//! size (Q4_1: 16 bytes of nibbles and two f16 per 32 values), and the row count of a pass is a
+//! compile-time constant, so its sums stay in registers.
 //!
 //! Layout: the weights go in tiles of 16 output columns; per tile and input block, the quants of
 //! the 16 columns lie as [4-input group][column][4 inputs] (`vpdpbusd`'s shape), beside the 16
@@ -23,9 +23,9 @@
 //! The invariant, exactness: an output is a sum over blocks `b`, in order, of
 //! `acc = fma(f32(dot_b) * w_scale_b, x_scale_b, acc)`, where `dot_b` is the exact integer dot
 //! product of block `b` (Q4_1 then adds a second such sum, of `fma(w_min_b, x_scaled_sum_b, ·)`,
-//! at the end: llama.cpp's formula for Q4_1 against Q8_1). No step depends on the other rows of the pass or the batch, so a row's
-//! output is the same bits however many rows share the call (tests below check it against a
-//! scalar model of that sequence, and against the same row alone).
+//! at the end: llama.cpp's formula for Q4_1 against Q8_1). No step depends on the other rows of
+//! the pass or the batch, so a row's output is the same bits however many rows share the call
+//! (tests below check it against a scalar model of that sequence, and against the same row alone).
 
 use std::borrow::Cow;
 
@@ -47,8 +47,8 @@ const Q4_1_BYTES: usize = 4 + BLOCK / 2;
 const TILE: usize = 16;
 /// Inputs one `vpdpbusd` lane sums.
 const GROUP: usize = 4;
-/// Most rows a pass keeps in registers (two registers each: the block's integer sum and the row's
-/// running f32 sums).
+/// Most rows a pass keeps in registers (three each: two integer chains for the block and the
+/// row's running f32 sums).
 const MAX_ROWS: usize = 8;
 
 /// Whether this CPU runs the kernels, AVX-512 F, BW and VNNI (checked at run time: the build
@@ -287,7 +287,8 @@ impl QuantRows {
                 unsafe { (*scales.add(i), *sums.add(i), *scaled.add(i)) = quantize_block(x, &mut *quants.add(i)) };
             }
         };
-        // Below a few thousand blocks the pool's wake-up costs more than it saves.
+        // A decode step's few rows stay on this thread: waking the pool would cost more than the
+        // work (the threshold is a round guess, not tuned).
         if count < 2048 {
             work(0..count)
         } else {
@@ -435,8 +436,7 @@ unsafe fn kernel<const R: usize, const NIBBLES: bool>(_: TileRef, _: RowRange, _
 mod tests {
     use super::*;
 
-    /// The module docs' quantization in scalar code.
-    /// (quants, scales, scaled sums) per block.
+    /// The module docs' quantization in scalar code: (quants, scales, scaled sums) per block.
     fn scalar_quantize(x: &[f32]) -> (Vec<[i8; BLOCK]>, Vec<f32>, Vec<f32>) {
         let (mut quants, mut scales, mut scaled_sums) = (Vec::new(), Vec::new(), Vec::new());
         for block in x.chunks_exact(BLOCK) {
