@@ -13,7 +13,10 @@
 #      lib/stubs that defines every driver API name cudarc's bindings declare (every call returns
 #      CUDA_ERROR_NO_DEVICE); the real driver's libcuda.so.1 replaces it on a GPU machine;
 #   3. builds with CUDA_COMPUTE_CAP (default 90: Hopper, sm_90a) under `nice -n 19` into
-#      ${CARGO_TARGET_DIR:-~/.cache/bellows/target-cuda}, then prints the binary and its NEEDED libs.
+#      ${CARGO_TARGET_DIR:-~/.cache/bellows/target-cuda}, then prints the binary and its NEEDED libs;
+#   4. with --pack: also builds the worker's unit-test binary and writes what scripts/gpu-check.sh
+#      needs on a GPU machine to target-gpu/ (ignored by git): both binaries stripped and
+#      zstd-compressed in bin/, the default model in 45 MB parts in model/.
 # Idempotent. A clean build takes ~9 minutes on 2 cores (most of it nvcc on candle-kernels).
 #
 # To run the result:   LD_LIBRARY_PATH=$BELLOWS_CUDA_DIR/home/lib  (cudart, cublas, curand, nvrtc)
@@ -22,6 +25,8 @@
 #   device and the worker stays on the CPU); never put lib/stubs on the path on a GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+pack=false
+[[ "${1:-}" == "--pack" ]] && pack=true
 
 CUDA_DIR="${BELLOWS_CUDA_DIR:-$HOME/.cache/bellows/cuda}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target-cuda}"
@@ -109,3 +114,22 @@ echo "NEEDED (readelf -d):"
 readelf -d "$bin" | awk '/NEEDED/ {print "  " $NF}' | tr -d '[]'
 echo "ldd (LD_LIBRARY_PATH=$home/lib:$home/lib/stubs):"
 LD_LIBRARY_PATH="$home/lib:$home/lib/stubs" ldd "$bin" | sed 's/^\s*/  /'
+
+# 4. The GPU machine's kit.
+if $pack; then
+    out=target-gpu
+    rm -rf "$out" && mkdir -p "$out/bin" "$out/model"
+    tests="$(nice -n 19 cargo test --release -p bellows-worker --features cuda --lib --no-run --message-format=json \
+        | "$PY" -c 'import json, sys
+for m in map(json.loads, sys.stdin):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])')"
+    [[ -n "$tests" ]] || { log "no unit-test binary was built"; exit 1; }
+    for pair in "$bin:bellows-worker" "$tests:worker-lib-tests"; do
+        strip -o "$out/bin/${pair##*:}" "${pair%%:*}"
+        zstd -q -19 -T0 --rm -f "$out/bin/${pair##*:}"
+    done
+    split -b 45M "$(scripts/fetch-model.sh)" "$out/model/part-"
+    log "packed for scripts/gpu-check.sh:"
+    du -h "$out"/bin/* "$out"/model/* >&2
+fi

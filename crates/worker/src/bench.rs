@@ -48,6 +48,9 @@ pub struct BenchArgs {
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
+    /// The TTFT benchmark's prompt length; the cached case holds all but its last 10%.
+    #[arg(long, default_value_t = 1000)]
+    pub ttft_prompt_tokens: usize,
     /// Prefill token budget per step for the chunked ITL case.
     #[arg(long, default_value_t = 64)]
     pub itl_chunk: usize,
@@ -295,7 +298,16 @@ fn bench_constrained(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
 }
 
 fn bench_batch(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
-    let engine = ctx.engine(EngineConfig::default())?;
+    // Room for every stream of the highest level to run at once (a GPU's 256).
+    let most = a.concurrency.iter().copied().max().unwrap_or(1);
+    let defaults = SchedulerConfig::default();
+    let scheduler = SchedulerConfig {
+        max_running: defaults.max_running.max(most),
+        max_batch_tokens: defaults.max_batch_tokens.max(most),
+        max_waiting: defaults.max_waiting.max(most),
+        ..defaults
+    };
+    let engine = ctx.engine(EngineConfig { scheduler, ..Default::default() })?;
     let mut rows = Vec::new();
     for &c in &a.concurrency {
         let mut rates = Vec::new();
@@ -322,14 +334,14 @@ fn bench_ttft(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     let h = engine.handle();
     let (mut cold, mut warm, mut cached) = (Vec::new(), Vec::new(), 0);
     for r in 0..a.repeat {
-        let prompt = ctx.long_prompt(1000, r)?;
+        let prompt = ctx.long_prompt(a.ttft_prompt_tokens, r)?;
         let ttft = |t: &Trace| (t.tokens[0] - t.submitted).as_secs_f64() * 1000.0;
         let mut req = greedy(prompt.clone(), 1);
         req.cache_salt = Some(format!("cold-{r}"));
         cold.push(ttft(&run_stream(&h, req, None)?));
 
         let salt = Some(format!("warm-{r}"));
-        let mut fill = greedy(prompt[..900].to_vec(), 1);
+        let mut fill = greedy(prompt[..prompt.len() * 9 / 10].to_vec(), 1);
         fill.cache_salt = salt.clone();
         run_stream(&h, fill, None)?;
         let mut req = greedy(prompt, 1);
@@ -340,7 +352,7 @@ fn bench_ttft(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     }
     let (c, w) = (median(cold.clone()), median(warm.clone()));
     Ok(json!({
-        "prompt_tokens": 1000, "cached_prefix_tokens": cached,
+        "prompt_tokens": a.ttft_prompt_tokens, "cached_prefix_tokens": cached,
         "cold_ms": c, "cached_ms": w, "speedup": c / w, "cold_runs": cold, "cached_runs": warm,
     }))
 }
@@ -420,7 +432,7 @@ fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
         // Room for 8 streams growing through a long prefill without preemption.
         let scheduler =
             SchedulerConfig { max_batch_tokens: budget, max_running: 16, itl_slowdown, ..Default::default() };
-        let cfg = EngineConfig { kv_cache_mb: 2048, scheduler };
+        let cfg = EngineConfig { kv_cache_mb: Some(2048), scheduler };
         let engine = ctx.engine(cfg.clone())?;
         let h = engine.handle();
         let stop = AtomicBool::new(false);

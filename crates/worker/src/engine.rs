@@ -32,17 +32,12 @@ use crate::{
 };
 
 /// Engine sizing: the KV memory budget and the scheduler's knobs.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct EngineConfig {
-    /// KV cache budget in MiB; the pool gets as many blocks as fit. Default 512.
-    pub kv_cache_mb: usize,
+    /// KV cache budget in MiB; the pool gets as many blocks as fit. None: the backend's default
+    /// (512 MiB on the CPU; on a GPU a share of the memory free after loading).
+    pub kv_cache_mb: Option<usize>,
     pub scheduler: SchedulerConfig,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig { kv_cache_mb: 512, scheduler: SchedulerConfig::default() }
-    }
 }
 
 /// A request's stream of events.
@@ -66,6 +61,8 @@ struct Shared {
     /// min(model context, KV pool capacity): no single request may need more.
     context: usize,
     block_size: usize,
+    /// The KV pool's size in bytes (whole blocks).
+    kv_cache_bytes: usize,
     max_waiting: usize,
     next_id: AtomicU64,
     /// For replaying a resumed request's earlier output at submission.
@@ -91,8 +88,12 @@ impl Engine {
         let spec = backend.spec().clone();
         let s = cfg.scheduler;
         let block_bytes = spec.kv_bytes_per_token * s.block_size;
-        let num_blocks = (cfg.kv_cache_mb << 20) / block_bytes;
-        anyhow::ensure!(num_blocks >= 1, "--kv-cache-mb {} holds no block of {block_bytes} bytes", cfg.kv_cache_mb);
+        let kv_bytes = match cfg.kv_cache_mb {
+            Some(mb) => mb << 20,
+            None => backend.default_kv_cache_bytes()?,
+        };
+        let num_blocks = kv_bytes / block_bytes;
+        anyhow::ensure!(num_blocks >= 1, "a KV budget of {kv_bytes} bytes holds no block of {block_bytes} bytes");
         anyhow::ensure!(s.max_running <= s.max_batch_tokens, "max_running must not exceed max_batch_tokens");
         backend.allocate_kv(num_blocks, s.block_size)?;
         let stats = Arc::new(Stats::default());
@@ -100,6 +101,7 @@ impl Engine {
             stats: stats.clone(),
             context: spec.context_length.min(num_blocks * s.block_size),
             block_size: s.block_size,
+            kv_cache_bytes: num_blocks * block_bytes,
             max_waiting: s.max_waiting,
             next_id: AtomicU64::new(1),
             grammars: GrammarCompiler::new(vocab.clone(), spec.vocab_size),
@@ -186,6 +188,11 @@ impl EngineHandle {
 
     pub fn block_size(&self) -> usize {
         self.shared.block_size
+    }
+
+    /// The KV pool's size in bytes.
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.shared.kv_cache_bytes
     }
 
     pub fn stats(&self) -> StatsSnapshot {

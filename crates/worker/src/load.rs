@@ -55,6 +55,10 @@ pub struct ModelArgs {
     /// rather than per 256).
     #[arg(long, env = "BELLOWS_CANDLE_MATMUL")]
     pub candle_matmul: bool,
+    /// Keep the KV pool as tensors on the model's device and attend with candle's ops, as a GPU
+    /// does, even on the CPU (slower there; for testing and comparing that path).
+    #[arg(long, env = "BELLOWS_DEVICE_ATTENTION")]
+    pub device_attention: bool,
 }
 
 impl ModelArgs {
@@ -69,6 +73,7 @@ impl ModelArgs {
             repack: !self.no_repack,
             progress,
             own_matmul: !self.candle_matmul,
+            device_attention: self.device_attention,
         };
         load_gguf(&self.path(), &opts, self.tokenizer_json.as_deref())
     }

@@ -44,9 +44,10 @@ enum Cmd {
 struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// KV cache budget in MiB.
-    #[arg(long, env = "BELLOWS_KV_CACHE_MB", default_value_t = EngineConfig::default().kv_cache_mb)]
-    kv_cache_mb: usize,
+    /// KV cache budget in MiB [default: 512 on the CPU; on a GPU 80% of the memory free after
+    /// loading the model].
+    #[arg(long, env = "BELLOWS_KV_CACHE_MB")]
+    kv_cache_mb: Option<usize>,
     /// The prompt text.
     #[arg(long, short)]
     prompt: String,

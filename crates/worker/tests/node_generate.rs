@@ -83,6 +83,9 @@ async fn generate_over_grpc_gives_the_engines_own_greedy_tokens_and_model_info_t
     assert_eq!(info.kv_block_size, 16);
     assert_eq!(info.context_length, 8192);
     assert_eq!(info.architecture, "llama");
+    // The default pool (512 MiB on the CPU) in whole blocks of 16 tokens.
+    let block = 16 * 30 * 2 * 3 * 64 * 4;
+    assert_eq!((info.kv_cache_bytes, info.device.as_str()), ((512 << 20) / block * block, "cpu"));
 }
 
 #[tokio::test(flavor = "multi_thread")]

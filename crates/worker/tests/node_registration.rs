@@ -54,6 +54,7 @@ async fn a_serving_node_is_listed_under_its_cluster_with_what_a_router_needs() {
     assert_ne!(lease, 0, "the key must hang on a lease, or a crashed node would stay listed");
     let info =
         node.client().await.model_info(bellows_proto::worker::v1::ModelInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!((info.kv_cache_bytes, info.device.as_str()), (1 << 20, "sim"), "the KV pool's size and where it lives");
     assert_eq!(
         record,
         WorkerRecord {

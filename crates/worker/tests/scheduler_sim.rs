@@ -73,7 +73,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 
 #[test]
 fn every_invalid_request_is_refused_with_its_own_error_before_any_work() {
-    let e = sim_engine(fast(), EngineConfig { kv_cache_mb: 1, ..Default::default() });
+    let e = sim_engine(fast(), EngineConfig { kv_cache_mb: Some(1), ..Default::default() });
     let h = e.handle();
     let ctx = h.context_length();
     assert_eq!(h.submit(req(vec![], 4)).unwrap_err(), SubmitError::EmptyPrompt);
@@ -101,7 +101,7 @@ fn every_invalid_request_is_refused_with_its_own_error_before_any_work() {
 #[test]
 fn the_context_is_bounded_by_the_kv_pool_so_no_lone_request_can_exhaust_it() {
     // 1 MiB at 1 KiB/token (sim) = 1024 tokens, below the model's 8192.
-    let e = sim_engine(fast(), EngineConfig { kv_cache_mb: 1, ..Default::default() });
+    let e = sim_engine(fast(), EngineConfig { kv_cache_mb: Some(1), ..Default::default() });
     assert_eq!(e.handle().context_length(), 1024);
     let out = run(&e.handle(), GenerateRequest { max_tokens: None, ..req(vec![1; 1000], 1) });
     assert_eq!(out.usage.completion_tokens, 24, "max_tokens defaults to what the context leaves");
@@ -277,8 +277,10 @@ fn kv_events_carry_the_same_hashes_the_router_computes() {
 #[test]
 fn a_full_pool_evicts_cached_blocks_and_says_so() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let e =
-        sim_engine(SimConfig { context_length: 64, ..fast() }, EngineConfig { kv_cache_mb: 1, ..Default::default() });
+    let e = sim_engine(
+        SimConfig { context_length: 64, ..fast() },
+        EngineConfig { kv_cache_mb: Some(1), ..Default::default() },
+    );
     let h = e.handle();
     let mut sub = rt.block_on(h.subscribe_kv()).unwrap();
     // 64 blocks in 1 MiB; fill them with distinct prompts of 2 full blocks each (the first
@@ -313,7 +315,7 @@ fn preemption_under_a_tiny_pool_still_completes_every_request_identically() {
     };
     // 1 MiB at 16 KiB/token = 64 tokens = 4 blocks; six requests of 80 tokens each must take turns.
     let sim = SimConfig { kv_bytes_per_token: 16 << 10, ..fast() };
-    let e = sim_engine(sim, EngineConfig { kv_cache_mb: 1, ..Default::default() });
+    let e = sim_engine(sim, EngineConfig { kv_cache_mb: Some(1), ..Default::default() });
     let h = e.handle();
     let rxs: Vec<_> = prompts.iter().map(|p| h.submit(req(p.clone(), 40)).unwrap()).collect();
     let together: Vec<Vec<u32>> = rxs.into_iter().map(|rx| collect(rx).tokens).collect();
@@ -460,7 +462,7 @@ fn a_lower_class_request_already_streaming_is_never_preempted() {
 fn when_the_pool_runs_out_the_lowest_class_gives_back_its_blocks_first() {
     // 4 blocks of 16 tokens; each request grows to 3 blocks: both cannot finish together.
     let sim = SimConfig { kv_bytes_per_token: 16 << 10, ..fast() };
-    let e = sim_engine(sim, EngineConfig { kv_cache_mb: 1, ..Default::default() });
+    let e = sim_engine(sim, EngineConfig { kv_cache_mb: Some(1), ..Default::default() });
     let h = e.handle();
     let mut batch = h.submit(classed(vec![3; 8], 40, Priority::Batch)).unwrap();
     while !matches!(batch.blocking_recv(), Some(Event::Token { .. })) {}

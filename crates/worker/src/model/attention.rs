@@ -49,6 +49,11 @@ impl Rope {
         Rope { style, half, cos, sin }
     }
 
+    /// The style, `head_dim / 2`, and the cos and sin tables (`[position][head_dim / 2]`).
+    pub fn tables(&self) -> (RopeStyle, usize, &[f32], &[f32]) {
+        (self.style, self.half, &self.cos, &self.sin)
+    }
+
     /// Rotate one head vector in place for position `pos`.
     pub fn apply(&self, x: &mut [f32], pos: usize) {
         let (c, s) =
@@ -98,8 +103,14 @@ impl Attention {
     /// The positions `first..end` a query at `pos` attends to.
     #[inline]
     fn visible(&self, pos: usize) -> (usize, usize) {
+        Self::visible_with(self.window, pos)
+    }
+
+    /// The positions `first..end` a query at `pos` attends to under `window` (None: all earlier).
+    #[inline]
+    pub fn visible_with(window: Option<usize>, pos: usize) -> (usize, usize) {
         let end = pos + 1;
-        (self.window.map_or(0, |w| end.saturating_sub(w)), end)
+        (window.map_or(0, |w| end.saturating_sub(w)), end)
     }
 }
 

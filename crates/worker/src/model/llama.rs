@@ -28,6 +28,7 @@ use candle_core::{
 use super::{
     Backend, BatchRow, ModelSpec,
     attention::{Attention, Heads, LayerKv, Rope, RopeStyle, paged_attention},
+    device_attention::{DeviceKv, DeviceRope, StepPlan, paged_attention_on_device},
     q8_matmul::{self, Q8Weights},
     q8_vnni::{self, VnniWeights},
 };
@@ -48,11 +49,15 @@ pub struct LoadOptions {
     /// Q8_0 and Q4_1 matrix with AVX-512 VNNI, else the AVX2 one (`q8_matmul`) on Q8_0 matrices
     /// where candle's repacked kernels do not apply.
     pub own_matmul: bool,
+    /// Keep the KV pool as tensors on the model's device and attend with candle's ops
+    /// (`device_attention`), even on the CPU: how CI tests the path a GPU runs. A CUDA device
+    /// always takes it (the host kernel would copy q, k and v to the host in every layer).
+    pub device_attention: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { requantize: true, repack: true, progress: false, own_matmul: true }
+        LoadOptions { requantize: true, repack: true, progress: false, own_matmul: true, device_attention: false }
     }
 }
 
@@ -288,7 +293,26 @@ pub struct LlamaModel {
     lm_head: Linear,
     /// One table per rope base: global layers use the first, sliding-window layers the second.
     ropes: Vec<Rope>,
-    kv: Vec<LayerKv>,
+    /// Whether `allocate_kv` puts the pool on the device (see [`LoadOptions::device_attention`]).
+    device_attention: bool,
+    kv: KvStore,
+}
+
+/// Where the KV pool lives, and so which attention runs over it.
+enum KvStore {
+    /// Not yet sized: `allocate_kv` comes first.
+    Unallocated,
+    /// Host memory and the host kernel (`attention`): bit-exact whatever the batch or chunk.
+    Host(Vec<LayerKv>),
+    /// Tensors on the model's device and the device-generic path (`device_attention`), with the
+    /// rope tables there too.
+    Device { layers: Vec<DeviceKv>, ropes: Vec<DeviceRope>, block_size: usize },
+}
+
+/// One layer's share of the KV pool, as a step sees it.
+enum LayerStore<'a> {
+    Host(&'a mut LayerKv),
+    Device { kv: &'a DeviceKv, plan: &'a StepPlan, ropes: &'a [DeviceRope] },
 }
 
 struct Loader<'a> {
@@ -388,7 +412,7 @@ impl Loader<'_> {
 impl LlamaModel {
     pub fn load(path: &Path, content: &gguf_file::Content, opts: &LoadOptions) -> Result<Self> {
         let cfg = LlamaConfig::from_gguf(content)?;
-        let device = default_device()?;
+        let device = super::default_device();
         let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
         let mut l = Loader {
             content,
@@ -471,8 +495,22 @@ impl LlamaModel {
             vocab_size: cfg.vocab_size,
             context_length: cfg.context_length,
             kv_bytes_per_token: cfg.n_layer * 2 * cfg.heads.n_kv_head * cfg.heads.head_dim * 4,
+            device: device_name(&device).into(),
         };
-        Ok(LlamaModel { spec, cfg, device, embed, embed_scale, layers, norm, lm_head, ropes, kv: Vec::new() })
+        let device_attention = opts.device_attention || !device.is_cpu();
+        Ok(LlamaModel {
+            spec,
+            cfg,
+            device,
+            embed,
+            embed_scale,
+            layers,
+            norm,
+            lm_head,
+            ropes,
+            device_attention,
+            kv: KvStore::Unallocated,
+        })
     }
 }
 
@@ -495,12 +533,12 @@ struct Step<'a> {
 
 impl Layer {
     /// The residual stream `x` (`[tokens, hidden]`) through attention and the MLP.
-    fn forward(&self, x: Tensor, rows: &[BatchRow<'_>], kv: &mut LayerKv, step: &Step<'_>) -> Result<Tensor> {
+    fn forward(&self, x: Tensor, rows: &[BatchRow<'_>], kv: LayerStore<'_>, step: &Step<'_>) -> Result<Tensor> {
         let x = (&x + self.attend(&x, rows, kv, step)?)?;
         Ok((&x + self.mlp(&x, step)?)?)
     }
 
-    fn attend(&self, x: &Tensor, rows: &[BatchRow<'_>], kv: &mut LayerKv, step: &Step<'_>) -> Result<Tensor> {
+    fn attend(&self, x: &Tensor, rows: &[BatchRow<'_>], kv: LayerStore<'_>, step: &Step<'_>) -> Result<Tensor> {
         let (heads, eps) = (step.heads, step.eps);
         let h = candle_nn::ops::rms_norm(x, &self.attn_norm, eps)?;
         let mut qkv = self.qkv.forward(&h)?;
@@ -508,16 +546,16 @@ impl Layer {
             qkv[0] = per_head_norm(&qkv[0], &g.q, heads.head_dim, eps)?;
             qkv[1] = per_head_norm(&qkv[1], &g.k, heads.head_dim, eps)?;
         }
-        let mut q = qkv[0].flatten_all()?.to_vec1::<f32>()?;
-        let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
-        let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
-        let q_w = heads.n_head * heads.head_dim;
-        let n_tok = q.len() / q_w;
-        debug_assert_eq!(k.len(), n_tok * heads.n_kv_head * heads.head_dim);
         let shape = Attention { heads, scale: step.scale, window: self.window };
-        let rope = &step.ropes[usize::from(self.window.is_some())];
-        let attn = paged_attention(rows, &mut q, &mut k, &v, kv, shape, rope);
-        let o = self.wo.forward(&Tensor::from_vec(attn, (n_tok, q_w), step.device)?)?;
+        // Global layers take the first rope table, sliding-window layers the second.
+        let table = usize::from(self.window.is_some());
+        let attn = match kv {
+            LayerStore::Host(kv) => host_attention(rows, &qkv, kv, shape, &step.ropes[table], step.device)?,
+            LayerStore::Device { kv, plan, ropes } => {
+                paged_attention_on_device(plan, &qkv[0], &qkv[1], &qkv[2], kv, shape, &ropes[table])?
+            }
+        };
+        let o = self.wo.forward(&attn)?;
         match &self.gemma {
             Some(g) => Ok(candle_nn::ops::rms_norm(&o, &g.post_attention, eps)?),
             None => Ok(o),
@@ -539,15 +577,44 @@ impl Layer {
     }
 }
 
-/// CPU unless built with `cuda` and a GPU is present.
-fn default_device() -> Result<Device> {
-    #[cfg(feature = "cuda")]
-    {
-        if let Ok(d) = Device::new_cuda(0) {
-            return Ok(d);
-        }
+/// The host kernel's attention: q, k and v to host memory, the result back to `device`.
+fn host_attention(
+    rows: &[BatchRow<'_>],
+    qkv: &[Tensor],
+    kv: &mut LayerKv,
+    shape: Attention,
+    rope: &Rope,
+    device: &Device,
+) -> Result<Tensor> {
+    let mut q = qkv[0].flatten_all()?.to_vec1::<f32>()?;
+    let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
+    let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
+    let q_w = shape.heads.n_head * shape.heads.head_dim;
+    let n_tok = q.len() / q_w;
+    debug_assert_eq!(k.len(), n_tok * shape.heads.n_kv_head * shape.heads.head_dim);
+    let attn = paged_attention(rows, &mut q, &mut k, &v, kv, shape, rope);
+    Ok(Tensor::from_vec(attn, (n_tok, q_w), device)?)
+}
+
+/// The share of a GPU's memory, free once the weights are loaded, that the KV pool takes when no
+/// budget is given; the rest is for activations and cuBLAS's workspace.
+#[cfg(feature = "cuda")]
+const GPU_KV_SHARE: f64 = 0.8;
+
+fn device_name(device: &Device) -> &'static str {
+    match device {
+        Device::Cpu => "cpu",
+        Device::Cuda(_) => "cuda",
+        Device::Metal(_) => "metal",
     }
-    Ok(Device::Cpu)
+}
+
+/// The distinct windows of the model's layers (None: global attention), for a step's masks.
+fn windows(layers: &[Layer]) -> Vec<Option<usize>> {
+    let mut windows: Vec<Option<usize>> = layers.iter().map(|l| l.window).collect();
+    windows.sort_unstable();
+    windows.dedup();
+    windows
 }
 
 /// A GGUF model is served under its file name without `.gguf` unless told otherwise: the name a
@@ -565,15 +632,36 @@ impl Backend for LlamaModel {
         self.spec.model_id = model_id;
     }
 
+    fn default_kv_cache_bytes(&self) -> Result<usize> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = &self.device {
+            let (free, _total) = d.cuda_stream().context().mem_get_info()?;
+            return Ok((free as f64 * GPU_KV_SHARE) as usize);
+        }
+        Ok(super::DEFAULT_KV_CACHE_MB << 20)
+    }
+
     fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
-        self.kv = (0..self.cfg.n_layer).map(|_| LayerKv::new(num_blocks, block_size, self.cfg.heads)).collect();
+        let (n_layer, heads) = (self.cfg.n_layer, self.cfg.heads);
+        self.kv = if self.device_attention {
+            KvStore::Device {
+                layers: (0..n_layer)
+                    .map(|_| DeviceKv::new(num_blocks, block_size, heads, &self.device))
+                    .collect::<candle_core::Result<_>>()?,
+                ropes: self
+                    .ropes
+                    .iter()
+                    .map(|r| DeviceRope::new(r, &self.device))
+                    .collect::<candle_core::Result<_>>()?,
+                block_size,
+            }
+        } else {
+            KvStore::Host((0..n_layer).map(|_| LayerKv::new(num_blocks, block_size, heads)).collect())
+        };
         Ok(())
     }
 
     fn forward(&mut self, rows: &[BatchRow<'_>]) -> Result<Vec<Vec<f32>>> {
-        if self.kv.is_empty() {
-            bail!("KV storage not allocated");
-        }
         let ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
         let n_tok = ids.len();
         let ids = Tensor::from_vec(ids, n_tok, &self.device)?;
@@ -589,8 +677,19 @@ impl Backend for LlamaModel {
             ropes: &self.ropes,
             device: &self.device,
         };
-        for (layer, kv) in self.layers.iter().zip(self.kv.iter_mut()) {
-            x = layer.forward(x, rows, kv, &step)?;
+        match &mut self.kv {
+            KvStore::Unallocated => bail!("KV storage not allocated"),
+            KvStore::Host(kv) => {
+                for (layer, kv) in self.layers.iter().zip(kv.iter_mut()) {
+                    x = layer.forward(x, rows, LayerStore::Host(kv), &step)?;
+                }
+            }
+            KvStore::Device { layers, ropes, block_size } => {
+                let plan = StepPlan::new(rows, *block_size, step.heads, &windows(&self.layers), &self.device)?;
+                for (layer, kv) in self.layers.iter().zip(layers.iter()) {
+                    x = layer.forward(x, rows, LayerStore::Device { kv, plan: &plan, ropes }, &step)?;
+                }
+            }
         }
 
         // Only the rows being sampled need the (large) vocabulary projection.

@@ -6,6 +6,7 @@
 //! sequence leaving between steps cannot make another read the wrong cache.
 
 pub mod attention;
+pub mod device_attention;
 pub mod llama;
 pub mod q8_matmul;
 pub mod q8_vnni;
@@ -40,7 +41,21 @@ pub struct ModelSpec {
     pub context_length: usize,
     /// Bytes of KV cache one token occupies (all layers, K and V).
     pub kv_bytes_per_token: usize,
+    /// Where the forward pass and the KV pool run: "cpu", "cuda", or "sim".
+    pub device: String,
 }
+
+/// Where models run: the first GPU when built with `cuda` and one is present, else the CPU.
+pub fn default_device() -> candle_core::Device {
+    #[cfg(feature = "cuda")]
+    if let Ok(d) = candle_core::Device::new_cuda(0) {
+        return d;
+    }
+    candle_core::Device::Cpu
+}
+
+/// The KV budget on the CPU when none is given, in MiB.
+pub const DEFAULT_KV_CACHE_MB: usize = 512;
 
 /// A model the scheduler can step. Implementations own their KV storage; the scheduler owns
 /// which block belongs to whom.
@@ -50,6 +65,12 @@ pub trait Backend: Send {
     /// Serve the model under another name (the `model` clients ask for, and the prefix-hash
     /// salt). Called before the engine starts.
     fn set_model_id(&mut self, model_id: String);
+
+    /// Bytes the KV pool takes when no budget is given: [`DEFAULT_KV_CACHE_MB`] unless the
+    /// backend knows better (a GPU sizes it from its free memory).
+    fn default_kv_cache_bytes(&self) -> anyhow::Result<usize> {
+        Ok(DEFAULT_KV_CACHE_MB << 20)
+    }
 
     /// Size the KV storage. Called once, before the first forward.
     fn allocate_kv(&mut self, num_blocks: usize, block_size: usize) -> anyhow::Result<()>;

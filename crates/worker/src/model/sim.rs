@@ -66,6 +66,7 @@ impl SimModel {
             vocab_size: cfg.vocab_size,
             context_length: cfg.context_length,
             kv_bytes_per_token: cfg.kv_bytes_per_token,
+            device: "sim".into(),
         };
         SimModel { cfg, spec }
     }

@@ -72,9 +72,10 @@ pub struct ServeArgs {
     /// On SIGTERM/SIGINT, how long in-flight requests may run before the node exits anyway.
     #[arg(long, env = "BELLOWS_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
-    /// KV cache budget in MiB.
-    #[arg(long, env = "BELLOWS_KV_CACHE_MB", default_value_t = EngineConfig::default().kv_cache_mb)]
-    pub kv_cache_mb: usize,
+    /// KV cache budget in MiB [default: 512 on the CPU; on a GPU 80% of the memory free after
+    /// loading the model].
+    #[arg(long, env = "BELLOWS_KV_CACHE_MB")]
+    pub kv_cache_mb: Option<usize>,
     /// Tokens one forward pass may carry (decode tokens plus prefill chunks).
     #[arg(long, env = "BELLOWS_MAX_BATCH_TOKENS", default_value_t = SchedulerConfig::default().max_batch_tokens)]
     pub max_batch_tokens: usize,

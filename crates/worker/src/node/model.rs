@@ -90,5 +90,7 @@ fn finish(mut info: pb::ModelInfoResponse, engine: &Engine) -> pb::ModelInfoResp
     let h = engine.handle();
     info.context_length = h.context_length() as u32;
     info.kv_block_size = h.block_size() as u32;
+    info.kv_cache_bytes = h.kv_cache_bytes() as u64;
+    info.device = h.spec().device.clone();
     info
 }

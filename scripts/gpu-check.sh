@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The GPU worker's device check (issue 18), run ON a GPU machine in one call of under 10 minutes:
+#   1. the worker's device-attention unit tests on the GPU (the path's outputs against the host
+#      kernel's, within 1e-5 of their largest value);
+#   2. greedy output on the GPU against the CPU build's, on the fixture prompts;
+#   3. the benchmark rows as JSON: single-stream decode, aggregate decode at 1/16/64/256 streams,
+#      TTFT cold and with a cached prefix on a 4,096-token prompt;
+#   4. whether a PyTorch/transformers baseline can run there (the side-by-side rows are not
+#      written yet).
+# UNVERIFIED: no GPU has run this script yet; it was checked here only for syntax and for its
+# failure messages without a device.
+#
+# What it needs in the working tree, all made here by `scripts/build-cuda.sh --pack` in target-gpu/
+# (ignored by git; at most 64 MiB travels per device call, so the model goes in parts):
+#   target-gpu/bin/bellows-worker.zst, target-gpu/bin/worker-lib-tests.zst   (~15 MB)
+#   target-gpu/model/part-*   the default model split in 45 MB parts, joined and checksummed here
+# A sequence of device calls that fits: carry target-gpu/bin and target-gpu/model/part-aa with
+# `true` as the command, then at once (the machine stays warm briefly) carry part-ab and part-ac
+# with `scripts/gpu-check.sh` as the command. The report is $OUT/gpu-check.json.
+#
+# Libraries: the driver's libcuda.so.1 from the machine; cudart, cublas(Lt), curand and nvrtc
+# from the nvidia-* wheels of its Python environment (found under site-packages).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+pack="${BELLOWS_GPU_PACK:-target-gpu}"
+out="${OUT:-$pack/out}"
+run="$pack/run"
+mkdir -p "$out" "$run"
+log() { printf '[gpu-check] %s\n' "$*" >&2; }
+fail() {
+    log "$*"
+    exit 2
+}
+MODEL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+PY="${PYTHON:-python3}"
+
+# 1. Binaries and libraries.
+for f in bellows-worker worker-lib-tests; do
+    [[ -f "$pack/bin/$f.zst" ]] || fail "missing $pack/bin/$f.zst: run scripts/build-cuda.sh --pack here and carry $pack/bin"
+    zstd -d -q -f "$pack/bin/$f.zst" -o "$run/$f" || fail "cannot unpack $f.zst"
+    chmod +x "$run/$f"
+done
+libs="$("$PY" - <<'EOF'
+import glob, os, site
+dirs = set()
+for sp in site.getsitepackages() + [site.getusersitepackages()]:
+    for lib in glob.glob(os.path.join(sp, "nvidia", "**", "lib", "*.so*"), recursive=True):
+        dirs.add(os.path.dirname(lib))
+print(":".join(sorted(dirs)))
+EOF
+)"
+export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.free --format=csv,noheader >"$out/gpu.txt" 2>&1 \
+    || log "nvidia-smi failed: $(cat "$out/gpu.txt")"
+
+# 2. The model, from its parts.
+model="$run/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [[ ! -f "$model" ]] || ! echo "$MODEL_SHA256  $model" | sha256sum -c --quiet - 2>/dev/null; then
+    compgen -G "$pack/model/part-*" >/dev/null || fail "no model parts in $pack/model (scripts/build-cuda.sh --pack)"
+    cat "$pack"/model/part-* >"$model"
+    echo "$MODEL_SHA256  $model" | sha256sum -c --quiet - || fail "the joined model's checksum is wrong: a part is missing"
+fi
+export BELLOWS_MODEL="$model" BELLOWS_MODEL_DIR="$run"
+
+# 3. Unit tests on the device (default_device() is the GPU in this build).
+log "device-attention unit tests"
+timeout 120 "$run/worker-lib-tests" device_attention >"$out/unit-tests.txt" 2>&1
+unit_rc=$?
+
+# 4. Greedy text, GPU against CPU (no visible device: the same binary on the CPU).
+log "greedy output, GPU against CPU"
+prompts=("Once upon a time" "The capital of France is" "def fibonacci(n):")
+for i in "${!prompts[@]}"; do
+    timeout 60 "$run/bellows-worker" generate --prompt "${prompts[$i]}" --max-tokens 32 >"$out/gpu-$i.txt" 2>"$out/gpu-$i.err"
+    CUDA_VISIBLE_DEVICES="" timeout 120 "$run/bellows-worker" generate --prompt "${prompts[$i]}" --max-tokens 32 \
+        >"$out/cpu-$i.txt" 2>"$out/cpu-$i.err"
+done
+
+# 5. Benchmarks on the device.
+log "benchmarks"
+timeout 360 "$run/bellows-worker" bench --suite decode,batch,ttft --concurrency 1,16,64,256 \
+    --ttft-prompt-tokens 4096 --repeat 3 >"$out/bench.json" 2>"$out/bench.err"
+bench_rc=$?
+
+# 6. A PyTorch/transformers baseline: is it importable there?
+"$PY" -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())' \
+    >"$out/torch.txt" 2>&1
+
+# The report.
+"$PY" - "$out" "$unit_rc" "$bench_rc" "${#prompts[@]}" <<'EOF' | tee "$out/gpu-check.json"
+import json, os, sys
+out, unit_rc, bench_rc, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+read = lambda f: open(os.path.join(out, f), errors="replace").read() if os.path.exists(os.path.join(out, f)) else ""
+greedy = []
+for i in range(n):
+    gpu, cpu = read(f"gpu-{i}.txt"), read(f"cpu-{i}.txt")
+    same = next((k for k, (a, b) in enumerate(zip(gpu, cpu)) if a != b), min(len(gpu), len(cpu)))
+    greedy.append({"gpu": gpu, "cpu": cpu, "same_chars": same, "identical": gpu == cpu and gpu != "",
+                   "gpu_stats": read(f"gpu-{i}.err").strip().splitlines()[-1:]})
+try:
+    bench = json.loads(read("bench.json"))
+except ValueError:
+    bench = {"error": read("bench.err")[-2000:]}
+print(json.dumps({
+    "gpu": read("gpu.txt").strip(),
+    "unit_tests": {"rc": unit_rc, "tail": read("unit-tests.txt")[-1500:]},
+    "greedy_gpu_vs_cpu": greedy,
+    "bench_rc": bench_rc, "bench": bench,
+    "torch_transformers": read("torch.txt").strip(),
+}, indent=1))
+EOF
