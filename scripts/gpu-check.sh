@@ -5,10 +5,14 @@
 #   2. greedy output on the GPU against the CPU build's, on the fixture prompts;
 #   3. the benchmark rows as JSON: single-stream decode, aggregate decode at 1/16/64/256 streams,
 #      TTFT cold and with a cached prefix on a 4,096-token prompt;
-#   4. whether a PyTorch/transformers baseline can run there (the side-by-side rows are not
+#   4. a 7B-shaped model (Llama 2 7B's shapes, Q8_0, random weights, made there by
+#      `bellows-worker synth-model`): single-stream decode against the bandwidth bound (weight
+#      bytes / 4.8 TB/s) and 64 streams against one;
+#   5. whether a PyTorch/transformers baseline can run there (the side-by-side rows are not
 #      written yet).
-# UNVERIFIED: no GPU has run this script yet; it was checked here only for syntax and for its
-# failure messages without a device.
+# UNVERIFIED ON A GPU: no GPU has run this script yet. BELLOWS_GPU_CHECK_QUICK=1 runs every step
+# with small sizes, which is how it was checked end to end on a CPU, with a CPU build packed in its
+# place (the "GPU" and CPU runs are then the same device).
 #
 # What it needs in the working tree, all made here by `scripts/build-cuda.sh --pack` in target-gpu/
 # (ignored by git; at most 64 MiB travels per device call, so the model goes in parts):
@@ -34,6 +38,14 @@ fail() {
 }
 MODEL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PY="${PYTHON:-python3}"
+# Sizes: the device's, or small ones for checking the script on a CPU.
+if [[ -n "${BELLOWS_GPU_CHECK_QUICK:-}" ]]; then
+    streams=1,4 ttft_tokens=256 repeat=1 decode_tokens=16
+    synth_shape=(--layers 2 --hidden 512 --ffn 1024 --heads 8 --kv-heads 8)
+else
+    streams=1,16,64,256 ttft_tokens=4096 repeat=3 decode_tokens=128
+    synth_shape=()
+fi
 
 # 1. Binaries and libraries.
 for f in bellows-worker worker-lib-tests; do
@@ -65,7 +77,7 @@ export BELLOWS_MODEL="$model" BELLOWS_MODEL_DIR="$run"
 
 # 3. Unit tests on the device (default_device() is the GPU in this build).
 log "device-attention unit tests"
-timeout 120 "$run/worker-lib-tests" device_attention >"$out/unit-tests.txt" 2>&1
+timeout 60 "$run/worker-lib-tests" device_attention >"$out/unit-tests.txt" 2>&1
 unit_rc=$?
 
 # 4. Greedy text, GPU against CPU (no visible device: the same binary on the CPU).
@@ -79,11 +91,20 @@ done
 
 # 5. Benchmarks on the device.
 log "benchmarks"
-timeout 360 "$run/bellows-worker" bench --suite decode,batch,ttft --concurrency 1,16,64,256 \
-    --ttft-prompt-tokens 4096 --repeat 3 >"$out/bench.json" 2>"$out/bench.err"
+timeout 240 "$run/bellows-worker" bench --suite decode,batch,ttft --concurrency "$streams" \
+    --ttft-prompt-tokens "$ttft_tokens" --repeat "$repeat" --decode-tokens "$decode_tokens" \
+    >"$out/bench.json" 2>"$out/bench.err"
 bench_rc=$?
 
-# 6. A PyTorch/transformers baseline: is it importable there?
+# 6. The 7B-shaped model, made here (about 7 GB, under a minute).
+log "7B-shaped model"
+synth="$run/synth-7b.gguf"
+timeout 90 "$run/bellows-worker" synth-model --like "$model" --out "$synth" "${synth_shape[@]}" >"$out/synth.txt" 2>&1 \
+    && timeout 150 "$run/bellows-worker" bench --model "$synth" --suite decode,batch --concurrency 1,64 --repeat 1 \
+        --decode-tokens "$decode_tokens" >"$out/bench-7b.json" 2>"$out/bench-7b.err"
+rm -f "$synth"
+
+# 7. A PyTorch/transformers baseline: is it importable there?
 "$PY" -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())' \
     >"$out/torch.txt" 2>&1
 
@@ -98,15 +119,22 @@ for i in range(n):
     same = next((k for k, (a, b) in enumerate(zip(gpu, cpu)) if a != b), min(len(gpu), len(cpu)))
     greedy.append({"gpu": gpu, "cpu": cpu, "same_chars": same, "identical": gpu == cpu and gpu != "",
                    "gpu_stats": read(f"gpu-{i}.err").strip().splitlines()[-1:]})
-try:
-    bench = json.loads(read("bench.json"))
-except ValueError:
-    bench = {"error": read("bench.err")[-2000:]}
+def bench_of(name):
+    try:
+        return json.loads(read(f"{name}.json"))
+    except ValueError:
+        return {"error": read(f"{name}.err")[-2000:]}
+bench, bench_7b = bench_of("bench"), bench_of("bench-7b")
+synth = read("synth.txt").split(": ")[-1].split(" ")[0]
+if synth.isdigit() and "single_stream" in bench_7b:
+    bound = 4.8e12 / int(synth)
+    bench_7b["weight_bytes"], bench_7b["bandwidth_bound_tok_s"] = int(synth), bound
+    bench_7b["of_bound"] = bench_7b["single_stream"]["decode_tok_s"] / bound
 print(json.dumps({
     "gpu": read("gpu.txt").strip(),
     "unit_tests": {"rc": unit_rc, "tail": read("unit-tests.txt")[-1500:]},
     "greedy_gpu_vs_cpu": greedy,
-    "bench_rc": bench_rc, "bench": bench,
+    "bench_rc": bench_rc, "bench": bench, "bench_7b_shaped": bench_7b,
     "torch_transformers": read("torch.txt").strip(),
 }, indent=1))
 EOF

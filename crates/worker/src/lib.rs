@@ -13,5 +13,6 @@ pub mod sampling;
 pub mod scheduler;
 pub mod stats;
 pub mod stop;
+pub mod synth;
 pub mod tokenizer;
 pub mod vocab;

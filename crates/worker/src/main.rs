@@ -15,6 +15,7 @@ use bellows_worker::{
     node::{self, ServeArgs},
     request::{Event, GenerateRequest},
     sampling::SamplingParams,
+    synth,
     tokenizer::ChatMessage,
 };
 use clap::{Args, Parser, Subcommand};
@@ -38,6 +39,9 @@ enum Cmd {
     /// Run many nodes in one process (each its own gRPC port, node id, engine and KV pool), for
     /// tests and benchmarks of a large cluster; `--engine sim` makes a thousand cheap.
     Fleet(Box<node::fleet::FleetArgs>),
+    /// Write a llama-shaped GGUF of random weights (default: Llama 2 7B's shape) with a real
+    /// model's tokenizer, for benchmarks where a real file cannot travel.
+    SynthModel(synth::SynthArgs),
 }
 
 #[derive(Args)]
@@ -101,6 +105,11 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Generate(a) => generate(a),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::SynthModel(a) => {
+            let bytes = synth::write(&a)?;
+            println!("{}: {bytes} bytes of weights", a.out.display());
+            Ok(())
+        }
         Cmd::Serve(_) | Cmd::Fleet(_) => unreachable!("handled above"),
     }
 }

@@ -11,11 +11,12 @@
 //! Why our own forward rather than candle's stock models: those keep one KV cache per model and
 //! fail on batched prefill, so they cannot serve many sequences at once. Here every linear layer
 //! runs once over *all* tokens of a step (decode tokens and prefill chunks together), so batching
-//! shares each weight read; attention runs per sequence over its own paged KV (see `attention`).
+//! shares each weight read; attention runs per sequence over its own paged KV: on the host
+//! (`attention`, bit-exact) or, on a GPU, as device tensors (`device_attention`).
 //!
-//! Loading re-quantizes formats whose CPU matmul has no SIMD kernel (Q4_1, Q5_0, Q5_1) to Q8_0,
-//! and fuses Q/K/V and gate/up into one matmul each by concatenating quantized rows (exact: a GGUF
-//! row is a whole number of quantization blocks).
+//! Loading re-quantizes formats whose CPU matmul has no SIMD kernel (Q4_1, Q5_0, Q5_1) to Q8_0 (on
+//! the CPU; a GPU keeps the file's format), and fuses Q/K/V and gate/up into one matmul each by
+//! concatenating quantized rows (exact: a GGUF row is a whole number of quantization blocks).
 
 use std::{fs::File, path::Path};
 
@@ -329,7 +330,8 @@ struct Loader<'a> {
 impl Loader<'_> {
     fn qtensor(&mut self, name: &str) -> Result<QTensor> {
         let t = self.content.tensor(&mut self.file, name, &self.device)?;
-        let slow = matches!(t.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
+        // Slow only on the CPU: a GPU's kernels take these formats, and fewer bytes are faster there.
+        let slow = self.device.is_cpu() && matches!(t.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
         // Our VNNI kernels run Q4_1 as it is: fewer bytes than Q8_0, and no second rounding.
         let kept = self.vnni && VnniWeights::takes(t.dtype());
         if self.requantize && slow && !kept {

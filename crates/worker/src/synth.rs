@@ -1,0 +1,217 @@
+//! A llama-shaped model of any size with random weights, written as GGUF (`bellows-worker
+//! synth-model`): for benchmarks where a real file cannot travel. A GPU machine here takes 64 MiB
+//! per call, so a 7B-shaped model is made there, in seconds, instead of carried.
+//!
+//! Its vocabulary, tokenizer and chat template are copied from a real GGUF (the default model),
+//! so it loads, tokenizes and serves like any model; its text is noise. Weights are Q8_0, random
+//! quants with one scale per matrix chosen so each output has about the variance of its input
+//! (activations neither vanish nor explode through the layers); norms are ones. Speed depends only
+//! on the shapes and the format, so its rows measure the engine as a real model of that shape
+//! would.
+
+use std::{fs::File, io::BufWriter, path::PathBuf};
+
+use anyhow::{Context, Result};
+use candle_core::{
+    Device,
+    quantized::{GgmlDType, QStorage, QTensor, gguf_file},
+};
+use rand::{Rng, SeedableRng};
+
+use crate::load::default_model_path;
+
+/// The shape of the model to make; the defaults are Llama 2 7B's.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SynthArgs {
+    /// The GGUF whose vocabulary, tokenizer and chat template the new model takes [default: the
+    /// default model].
+    #[arg(long)]
+    pub like: Option<PathBuf>,
+    /// Where to write the model.
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 32)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 4096)]
+    pub hidden: usize,
+    /// The MLP's inner width.
+    #[arg(long, default_value_t = 11008)]
+    pub ffn: usize,
+    #[arg(long, default_value_t = 32)]
+    pub heads: usize,
+    #[arg(long, default_value_t = 32)]
+    pub kv_heads: usize,
+    #[arg(long, default_value_t = 4096)]
+    pub context: usize,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// Bytes of one Q8_0 block: an f16 scale and 32 signed quants.
+const Q8_0_BLOCK: usize = 34;
+const Q8_0_WEIGHTS: usize = 32;
+
+/// Write the model `a` describes; returns its weight bytes.
+pub fn write(a: &SynthArgs) -> Result<u64> {
+    anyhow::ensure!(a.hidden.is_multiple_of(a.heads), "--hidden {} is no multiple of --heads {}", a.hidden, a.heads);
+    anyhow::ensure!(
+        a.heads.is_multiple_of(a.kv_heads),
+        "--heads {} is no multiple of --kv-heads {}",
+        a.heads,
+        a.kv_heads
+    );
+    for (name, width) in [("--hidden", a.hidden), ("--ffn", a.ffn)] {
+        anyhow::ensure!(width.is_multiple_of(Q8_0_WEIGHTS), "{name} {width} is no multiple of {Q8_0_WEIGHTS}");
+    }
+    let like = a.like.clone().unwrap_or_else(default_model_path);
+    let mut file = File::open(&like).with_context(|| format!("opening {}", like.display()))?;
+    let source = gguf_file::Content::read(&mut file).with_context(|| format!("reading {}", like.display()))?;
+    let vocab = match source.metadata.get("tokenizer.ggml.tokens") {
+        Some(gguf_file::Value::Array(tokens)) => tokens.len(),
+        _ => anyhow::bail!("{} has no tokenizer.ggml.tokens", like.display()),
+    };
+
+    let metadata = metadata(a, &source);
+    let tensors = tensors(a, vocab)?;
+    let bytes = tensors.iter().map(|(_, t)| t.storage_size_in_bytes() as u64).sum();
+    let mut out = BufWriter::new(File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?);
+    let metadata: Vec<(&str, &gguf_file::Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut out, &metadata, &tensors)?;
+    Ok(bytes)
+}
+
+/// The llama hyper-parameters of `a`, and every `tokenizer.*` entry of the source.
+fn metadata(a: &SynthArgs, source: &gguf_file::Content) -> Vec<(String, gguf_file::Value)> {
+    use gguf_file::Value::{F32, String as Text, U32};
+    let u = |n: usize| U32(n as u32);
+    let mut m = vec![
+        ("general.architecture".to_string(), Text("llama".into())),
+        ("general.name".to_string(), Text(format!("synthetic llama {}x{}", a.layers, a.hidden))),
+        ("llama.block_count".to_string(), u(a.layers)),
+        ("llama.embedding_length".to_string(), u(a.hidden)),
+        ("llama.feed_forward_length".to_string(), u(a.ffn)),
+        ("llama.attention.head_count".to_string(), u(a.heads)),
+        ("llama.attention.head_count_kv".to_string(), u(a.kv_heads)),
+        ("llama.context_length".to_string(), u(a.context)),
+        ("llama.rope.freq_base".to_string(), F32(10_000.0)),
+        ("llama.attention.layer_norm_rms_epsilon".to_string(), F32(1e-5)),
+    ];
+    let mut tokenizer: Vec<_> = source
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    tokenizer.sort_by(|x, y| x.0.cmp(&y.0));
+    m.extend(tokenizer);
+    m
+}
+
+/// Every tensor of the model, named as GGUF llama files name them.
+fn tensors(a: &SynthArgs, vocab: usize) -> Result<Vec<(String, QTensor)>> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
+    let kv = a.hidden / a.heads * a.kv_heads;
+    let mut t = vec![
+        ("token_embd.weight".to_string(), random_q8_0(&mut rng, vocab, a.hidden)?),
+        ("output_norm.weight".to_string(), ones(a.hidden)?),
+    ];
+    for i in 0..a.layers {
+        let p = |s: &str| format!("blk.{i}.{s}");
+        t.push((p("attn_norm.weight"), ones(a.hidden)?));
+        t.push((p("ffn_norm.weight"), ones(a.hidden)?));
+        for (name, rows, cols) in [
+            ("attn_q.weight", a.hidden, a.hidden),
+            ("attn_k.weight", kv, a.hidden),
+            ("attn_v.weight", kv, a.hidden),
+            ("attn_output.weight", a.hidden, a.hidden),
+            ("ffn_gate.weight", a.ffn, a.hidden),
+            ("ffn_up.weight", a.ffn, a.hidden),
+            ("ffn_down.weight", a.hidden, a.ffn),
+        ] {
+            t.push((p(name), random_q8_0(&mut rng, rows, cols)?));
+        }
+    }
+    Ok(t)
+}
+
+fn ones(n: usize) -> Result<QTensor> {
+    let bytes: Vec<u8> = std::iter::repeat_n(1f32.to_le_bytes(), n).flatten().collect();
+    Ok(QTensor::new(QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::F32)?, n)?)
+}
+
+/// A `[rows, cols]` Q8_0 matrix of uniform random quants, scaled so a row's dot product with a
+/// unit-variance input has about unit variance.
+fn random_q8_0(rng: &mut impl Rng, rows: usize, cols: usize) -> Result<QTensor> {
+    // A uniform quant in [-127, 127] has a standard deviation of about 73.
+    let scale = half::f16::from_f32(1.0 / (73.3 * (cols as f32).sqrt())).to_le_bytes();
+    let blocks = rows * cols / Q8_0_WEIGHTS;
+    let mut bytes = vec![0u8; blocks * Q8_0_BLOCK];
+    for block in bytes.chunks_exact_mut(Q8_0_BLOCK) {
+        block[..2].copy_from_slice(&scale);
+        for q in &mut block[2..] {
+            *q = rng.random_range(-127i8..=127) as u8;
+        }
+    }
+    Ok(QTensor::new(QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::Q8_0)?, (rows, cols))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        engine::{Engine, EngineConfig},
+        load::load_gguf,
+        model::{Backend, llama::LoadOptions},
+        request::{Event, GenerateRequest},
+        sampling::SamplingParams,
+    };
+
+    #[test]
+    fn a_synthetic_model_loads_with_its_shape_and_generates_with_the_sources_tokenizer() {
+        let like = default_model_path();
+        assert!(like.exists(), "model {} is missing: run scripts/fetch-model.sh", like.display());
+        let dir = tempfile::tempdir().unwrap();
+        let a = SynthArgs {
+            like: Some(like.clone()),
+            out: dir.path().join("tiny.gguf"),
+            layers: 2,
+            hidden: 128,
+            ffn: 256,
+            heads: 4,
+            kv_heads: 2,
+            context: 256,
+            seed: 7,
+        };
+        let bytes = write(&a).unwrap();
+        let (model, tok) = load_gguf(&a.out, &LoadOptions::default(), None).expect("the synthetic model loads");
+        let (_, source_tok) = load_gguf(&like, &LoadOptions::default(), None).unwrap();
+        let spec = model.spec().clone();
+        assert_eq!((spec.architecture.as_str(), spec.context_length), ("llama", 256));
+        assert_eq!(spec.kv_bytes_per_token, 2 * 2 * 2 * 32 * 4, "layers x K and V x kv heads x head size x f32");
+        let vocab = spec.vocab_size;
+        // Embedding and two layers of q, k, v, o, gate, up, down at 34 bytes per 32 weights, plus norms.
+        let q8 = (vocab * 128 + 2 * (128 * 128 * 2 + 64 * 128 * 2 + 256 * 128 * 3)) / 32 * 34;
+        assert_eq!(bytes as usize, q8 + 4 * 128 * 5);
+        let text = "Digits 12345 and <|im_start|>user\nhi<|im_end|>";
+        assert_eq!(tok.encode(text, false).unwrap(), source_tok.encode(text, false).unwrap());
+
+        let engine = Engine::start(Box::new(model), std::sync::Arc::new(tok), EngineConfig::default()).unwrap();
+        let mut req = GenerateRequest::new(vec![1, 2, 3], SamplingParams::greedy(), 8);
+        req.ignore_eos = true;
+        let mut rx = engine.handle().submit(req).unwrap();
+        let mut tokens = 0;
+        while let Some(ev) = rx.blocking_recv() {
+            match ev {
+                Event::Token { id, .. } => {
+                    assert!((id as usize) < vocab);
+                    tokens += 1;
+                }
+                Event::Finished { .. } => break,
+                Event::Failed { message } => panic!("generation failed: {message}"),
+                Event::Progress(_) => {}
+            }
+        }
+        assert_eq!(tokens, 8);
+    }
+}
