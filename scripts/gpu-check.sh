@@ -8,8 +8,11 @@
 #   4. a 7B-shaped model (Llama 2 7B's shapes, Q8_0, random weights, made there by
 #      `bellows-worker synth-model`): single-stream decode against the bandwidth bound (weight
 #      bytes / 4.8 TB/s) and 64 streams against one;
-#   5. whether a PyTorch/transformers baseline can run there (the side-by-side rows are not
-#      written yet).
+#   5. the same rows from the same models in eager PyTorch (scripts/bench/torch_llama.py: a
+#      Hugging Face-style llama in plain torch ops, fp16; transformers is not known to be there), and
+#      ours over theirs.
+# Each step's time is capped, and all of them by BELLOWS_GPU_CHECK_BUDGET (default 540 s), so the
+# report is written within one call; every step's raw output is in $OUT too.
 # UNVERIFIED ON A GPU: no GPU has run this script yet. BELLOWS_GPU_CHECK_QUICK=1 runs every step
 # with small sizes, which is how it was checked end to end on a CPU, with a CPU build packed in its
 # place (the "GPU" and CPU runs are then the same device).
@@ -38,6 +41,18 @@ fail() {
 }
 MODEL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PY="${PYTHON:-python3}"
+deadline=$((SECONDS + ${BELLOWS_GPU_CHECK_BUDGET:-540}))
+# `capped N CMD...`: run CMD for at most N seconds, or what is left of the budget (skipped under 10).
+capped() {
+    local cap=$1 left=$((deadline - SECONDS))
+    shift
+    ((left < cap)) && cap=$left
+    if ((cap < 10)); then
+        log "skipped (budget spent): $*"
+        return 124
+    fi
+    timeout "$cap" "$@"
+}
 # Sizes: the device's, or small ones for checking the script on a CPU.
 if [[ -n "${BELLOWS_GPU_CHECK_QUICK:-}" ]]; then
     streams=1,4 ttft_tokens=256 repeat=1 decode_tokens=16
@@ -77,21 +92,21 @@ export BELLOWS_MODEL="$model" BELLOWS_MODEL_DIR="$run"
 
 # 3. Unit tests on the device (default_device() is the GPU in this build).
 log "device-attention unit tests"
-timeout 60 "$run/worker-lib-tests" device_attention >"$out/unit-tests.txt" 2>&1
+capped 60 "$run/worker-lib-tests" device_attention >"$out/unit-tests.txt" 2>&1
 unit_rc=$?
 
 # 4. Greedy text, GPU against CPU (no visible device: the same binary on the CPU).
 log "greedy output, GPU against CPU"
 prompts=("Once upon a time" "The capital of France is" "def fibonacci(n):")
 for i in "${!prompts[@]}"; do
-    timeout 60 "$run/bellows-worker" generate --prompt "${prompts[$i]}" --max-tokens 32 >"$out/gpu-$i.txt" 2>"$out/gpu-$i.err"
-    CUDA_VISIBLE_DEVICES="" timeout 120 "$run/bellows-worker" generate --prompt "${prompts[$i]}" --max-tokens 32 \
+    capped 30 "$run/bellows-worker" generate --prompt "${prompts[$i]}" --max-tokens 32 >"$out/gpu-$i.txt" 2>"$out/gpu-$i.err"
+    capped 30 env CUDA_VISIBLE_DEVICES= "$run/bellows-worker" generate --prompt "${prompts[$i]}" --max-tokens 32 \
         >"$out/cpu-$i.txt" 2>"$out/cpu-$i.err"
 done
 
 # 5. Benchmarks on the device.
 log "benchmarks"
-timeout 240 "$run/bellows-worker" bench --suite decode,batch,ttft --concurrency "$streams" \
+capped 180 "$run/bellows-worker" bench --suite decode,batch,ttft --concurrency "$streams" \
     --ttft-prompt-tokens "$ttft_tokens" --repeat "$repeat" --decode-tokens "$decode_tokens" \
     >"$out/bench.json" 2>"$out/bench.err"
 bench_rc=$?
@@ -99,14 +114,17 @@ bench_rc=$?
 # 6. The 7B-shaped model, made here (about 7 GB, under a minute).
 log "7B-shaped model"
 synth="$run/synth-7b.gguf"
-timeout 90 "$run/bellows-worker" synth-model --like "$model" --out "$synth" "${synth_shape[@]}" >"$out/synth.txt" 2>&1 \
-    && timeout 150 "$run/bellows-worker" bench --model "$synth" --suite decode,batch --concurrency 1,64 --repeat 1 \
+capped 90 "$run/bellows-worker" synth-model --like "$model" --out "$synth" "${synth_shape[@]}" >"$out/synth.txt" 2>&1 \
+    && capped 90 "$run/bellows-worker" bench --model "$synth" --suite decode,batch --concurrency 1,64 --repeat 1 \
         --decode-tokens "$decode_tokens" >"$out/bench-7b.json" 2>"$out/bench-7b.err"
-rm -f "$synth"
 
-# 7. A PyTorch/transformers baseline: is it importable there?
-"$PY" -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())' \
-    >"$out/torch.txt" 2>&1
+# 7. The PyTorch baseline on both models.
+log "PyTorch baseline"
+capped 90 "$PY" scripts/bench/torch_llama.py "$model" --streams "$streams" --prompt-tokens "$ttft_tokens" \
+    --decode-tokens "$decode_tokens" >"$out/torch.json" 2>"$out/torch.err"
+capped 90 "$PY" scripts/bench/torch_llama.py "$synth" --streams 1,64 --prompt-tokens "$ttft_tokens" \
+    --decode-tokens "$decode_tokens" >"$out/torch-7b.json" 2>"$out/torch-7b.err"
+rm -f "$synth"
 
 # The report.
 "$PY" - "$out" "$unit_rc" "$bench_rc" "${#prompts[@]}" <<'EOF' | tee "$out/gpu-check.json"
@@ -125,6 +143,23 @@ def bench_of(name):
     except ValueError:
         return {"error": read(f"{name}.err")[-2000:]}
 bench, bench_7b = bench_of("bench"), bench_of("bench-7b")
+torch_rows, torch_7b = bench_of("torch"), bench_of("torch-7b")
+
+def ours_over_torch(ours, theirs):
+    """Ours / PyTorch's for each row both have (rates: above 1 is ours faster; times: below 1)."""
+    if "error" in ours or "error" in theirs:
+        return None
+    r = {}
+    if "single_stream" in ours and "single_stream_tok_s" in theirs:
+        r["single_stream_decode"] = ours["single_stream"]["decode_tok_s"] / theirs["single_stream_tok_s"]
+    mine = {row["streams"]: row["aggregate_tok_s"] for row in ours.get("aggregate", [])}
+    for row in theirs.get("aggregate", []):
+        if row["streams"] in mine:
+            r[f"aggregate_{row['streams']}_streams"] = mine[row["streams"]] / row["aggregate_tok_s"]
+    if "ttft" in ours and "ttft_cold_ms" in theirs:
+        r["ttft_cold_time"] = ours["ttft"]["cold_ms"] / theirs["ttft_cold_ms"]
+        r["ttft_cached_time"] = ours["ttft"]["cached_ms"] / theirs["ttft_cached_ms"]
+    return r
 synth = read("synth.txt").split(": ")[-1].split(" ")[0]
 if synth.isdigit() and "single_stream" in bench_7b:
     bound = 4.8e12 / int(synth)
@@ -135,6 +170,8 @@ print(json.dumps({
     "unit_tests": {"rc": unit_rc, "tail": read("unit-tests.txt")[-1500:]},
     "greedy_gpu_vs_cpu": greedy,
     "bench_rc": bench_rc, "bench": bench, "bench_7b_shaped": bench_7b,
-    "torch_transformers": read("torch.txt").strip(),
+    "torch": torch_rows, "torch_7b_shaped": torch_7b,
+    "ours_over_torch": ours_over_torch(bench, torch_rows),
+    "ours_over_torch_7b_shaped": ours_over_torch(bench_7b, torch_7b),
 }, indent=1))
 EOF
