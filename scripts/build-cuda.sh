@@ -16,7 +16,7 @@
 #      ${CARGO_TARGET_DIR:-~/.cache/bellows/target-cuda}, then prints the binary and its NEEDED libs;
 #   4. with --pack: also builds the worker's unit-test binary and writes what scripts/gpu-check.sh
 #      needs on a GPU machine to target-gpu/ (ignored by git): both binaries stripped and
-#      zstd-compressed in bin/, the default model in 45 MB parts in model/.
+#      zstd-compressed in bin/, the default model in 40 MiB parts in model/.
 # Idempotent. A clean build takes ~9 minutes on 2 cores (most of it nvcc on candle-kernels).
 #
 # To run the result:   LD_LIBRARY_PATH=$BELLOWS_CUDA_DIR/home/lib  (cudart, cublas, curand, nvrtc)
@@ -129,7 +129,7 @@ for m in map(json.loads, sys.stdin):
         strip -o "$out/bin/${pair##*:}" "${pair%%:*}"
         zstd -q -19 -T0 --rm -f "$out/bin/${pair##*:}"
     done
-    split -b 45M "$(scripts/fetch-model.sh)" "$out/model/part-"
+    split -b 40M "$(scripts/fetch-model.sh)" "$out/model/part-"
     log "packed for scripts/gpu-check.sh:"
     du -h "$out"/bin/* "$out"/model/* >&2
 fi

@@ -19,11 +19,11 @@
 #
 # What it needs in the working tree, all made here by `scripts/build-cuda.sh --pack` in target-gpu/
 # (ignored by git; at most 64 MiB travels per device call, so the model goes in parts):
-#   target-gpu/bin/bellows-worker.zst, target-gpu/bin/worker-lib-tests.zst   (~15 MB)
-#   target-gpu/model/part-*   the default model split in 45 MB parts, joined and checksummed here
-# A sequence of device calls that fits: carry target-gpu/bin and target-gpu/model/part-aa with
-# `true` as the command, then at once (the machine stays warm briefly) carry part-ab and part-ac
-# with `scripts/gpu-check.sh` as the command. The report is $OUT/gpu-check.json.
+#   target-gpu/bin/bellows-worker.zst, target-gpu/bin/worker-lib-tests.zst   (22 MiB measured)
+#   target-gpu/model/part-aa..ac   the default model in 40 MiB parts, joined and checksummed here
+# A sequence of device calls that fits: carry target-gpu/bin and target-gpu/model/part-aa (62 MiB)
+# with `true` as the command, then at once (the machine stays warm briefly) carry part-ab and
+# part-ac (54 MiB) with `scripts/gpu-check.sh` as the command. The report is $OUT/gpu-check.json.
 #
 # Libraries: the driver's libcuda.so.1 from the machine; cudart, cublas(Lt), curand and nvrtc
 # from the nvidia-* wheels of its Python environment (found under site-packages).

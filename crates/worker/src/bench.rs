@@ -153,7 +153,9 @@ impl Ctx {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    let (_, tok) = a.model.load(false)?;
+    let (model, tok) = a.model.load(false)?;
+    let device = crate::model::Backend::spec(&model).device.clone();
+    drop(model);
     let ctx = Ctx { model: a.model.clone(), tok: Arc::new(tok) };
     let all = a.suite == "all";
     let want = |s: &str| all || a.suite.split(',').any(|x| x == s);
@@ -163,6 +165,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "repack": !ctx.model.no_repack,
         "own_matmul": !ctx.model.candle_matmul,
         "threads": candle_core::utils::get_num_threads(),
+        "device": device,
+        "device_attention": ctx.model.device_attention || device != "cpu",
     });
     if want("decode") {
         out["single_stream"] = bench_decode(&ctx, &a)?;
