@@ -154,7 +154,8 @@ impl Ctx {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     let (model, tok) = a.model.load(false)?;
-    let device = crate::model::Backend::spec(&model).device.clone();
+    let (device, device_attention) =
+        (crate::model::Backend::spec(&model).device.clone(), model.uses_device_attention());
     drop(model);
     let ctx = Ctx { model: a.model.clone(), tok: Arc::new(tok) };
     let all = a.suite == "all";
@@ -166,7 +167,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "own_matmul": !ctx.model.candle_matmul,
         "threads": candle_core::utils::get_num_threads(),
         "device": device,
-        "device_attention": ctx.model.device_attention || device != "cpu",
+        "device_attention": device_attention,
     });
     if want("decode") {
         out["single_stream"] = bench_decode(&ctx, &a)?;

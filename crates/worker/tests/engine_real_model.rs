@@ -423,7 +423,9 @@ fn a_stream_migrated_between_workers_on_the_device_path_continues_it() {
         let seen = original.pieces[..k].concat() + &rest.pieces[..same].concat();
         assert_eq!(seen, original.pieces[..k + same].concat(), "cut at {k}: the text up to the parting");
         exact += usize::from(rest.tokens == original.tokens[k..]);
+        eprintln!("cut at {k}: {same} of {} tokens as the uninterrupted stream", rest.tokens.len());
     }
+    eprintln!("{exact} of {} cuts continued exactly", original.tokens.len() - 1);
     assert!(exact * 2 >= original.tokens.len(), "only {exact} cuts continued exactly");
 }
 

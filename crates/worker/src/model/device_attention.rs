@@ -60,17 +60,34 @@ impl DeviceRope {
         })
     }
 
-    /// Rotate every head of `x` (`[tokens, heads * head_dim]`) at its token's position.
-    fn apply(&self, x: &Tensor, positions: &Tensor, head_dim: usize) -> Result<Tensor> {
-        let (tokens, width) = x.dims2()?;
-        let half = head_dim / 2;
+    /// The table's rows at a step's token positions (`[tokens]`).
+    fn at(&self, positions: &Tensor) -> Result<StepRope> {
+        let (tokens, half) = (positions.dim(0)?, self.cos.dim(1)?);
         // Each token its own batch entry: candle's rope takes a cos/sin table per batch entry.
-        let cos = self.cos.index_select(positions, 0)?.reshape((tokens, 1, half))?;
-        let sin = self.sin.index_select(positions, 0)?.reshape((tokens, 1, half))?;
+        Ok(StepRope {
+            style: self.style,
+            cos: self.cos.index_select(positions, 0)?.reshape((tokens, 1, half))?,
+            sin: self.sin.index_select(positions, 0)?.reshape((tokens, 1, half))?,
+        })
+    }
+}
+
+/// One rope table's cos and sin at each token of a step (`[tokens, 1, head_dim / 2]`): gathered
+/// once a step, used by every layer that takes the table.
+pub struct StepRope {
+    style: RopeStyle,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl StepRope {
+    /// Rotate every head of `x` (`[tokens, heads * head_dim]`) at its token's position.
+    fn apply(&self, x: &Tensor, head_dim: usize) -> Result<Tensor> {
+        let (tokens, width) = x.dims2()?;
         let heads = x.contiguous()?.reshape((tokens, width / head_dim, 1, head_dim))?;
         let rotated = match self.style {
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&heads, &cos, &sin)?,
-            RopeStyle::Halves => candle_nn::rotary_emb::rope(&heads, &cos, &sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&heads, &self.cos, &self.sin)?,
+            RopeStyle::Halves => candle_nn::rotary_emb::rope(&heads, &self.cos, &self.sin)?,
         };
         rotated.reshape((tokens, width))
     }
@@ -181,8 +198,8 @@ fn slot(row: &BatchRow<'_>, block_size: usize, pos: usize) -> u32 {
 
 /// Everything about a step that every layer shares: built once, on the device.
 pub struct StepPlan {
-    /// Each new token's position (`[tokens]`), for the rope tables.
-    positions: Tensor,
+    /// Each rope table of the model at the step's token positions, in the model's order.
+    ropes: Vec<StepRope>,
     /// Each new token's slot, repeated across its KV row (`[tokens, kv width]`: a scatter takes
     /// an index of its source's shape).
     write: Tensor,
@@ -192,12 +209,14 @@ pub struct StepPlan {
 }
 
 impl StepPlan {
-    /// The plan for `rows`, with masks for each window a layer of the model has.
+    /// The plan for `rows`, with masks for each window a layer of the model has and the rows of
+    /// each of its rope tables.
     pub fn new(
         rows: &[BatchRow<'_>],
         block_size: usize,
         heads: Heads,
         windows: &[Option<usize>],
+        ropes: &[DeviceRope],
         device: &Device,
     ) -> Result<Self> {
         let kv_width = heads.n_kv_head * heads.head_dim;
@@ -234,12 +253,18 @@ impl StepPlan {
             order[t] = at as u32;
         }
         let in_order = order.iter().enumerate().all(|(t, &at)| at as usize == t);
+        let positions = Tensor::from_vec(positions, n_tok, device)?;
         Ok(StepPlan {
-            positions: Tensor::from_vec(positions, n_tok, device)?,
+            ropes: ropes.iter().map(|r| r.at(&positions)).collect::<Result<_>>()?,
             write: Tensor::from_vec(write, (n_tok, kv_width), device)?,
             groups,
             order: if in_order { None } else { Some(Tensor::from_vec(order, n_tok, device)?) },
         })
+    }
+
+    /// Rope table `i` of the model (as given to [`StepPlan::new`]) at this step's positions.
+    pub fn rope(&self, i: usize) -> &StepRope {
+        &self.ropes[i]
     }
 }
 
@@ -254,11 +279,11 @@ pub fn paged_attention_on_device(
     v: &Tensor,
     kv: &DeviceKv,
     shape: Attention,
-    rope: &DeviceRope,
+    rope: &StepRope,
 ) -> Result<Tensor> {
     let hd = shape.heads.head_dim;
-    let q = rope.apply(q, &plan.positions, hd)?;
-    let k = rope.apply(k, &plan.positions, hd)?;
+    let q = rope.apply(q, hd)?;
+    let k = rope.apply(k, hd)?;
     kv.k.scatter_set(&plan.write, &k, 0)?;
     kv.v.scatter_set(&plan.write, &v.contiguous()?, 0)?;
     let outs = plan.groups.iter().map(|g| g.attend(&q, kv, shape)).collect::<Result<Vec<_>>>()?;
@@ -296,7 +321,7 @@ mod tests {
         let block_size = 4;
         let shape = Attention { window, ..Attention::causal(heads) };
         let rope = Rope::new(style, heads.head_dim, 10000.0, 256);
-        let device_rope = DeviceRope::new(&rope, &device).unwrap();
+        let device_rope = [DeviceRope::new(&rope, &device).unwrap()];
         let (mut host, pool) =
             (LayerKv::new(40, block_size, heads), DeviceKv::new(40, block_size, heads, &device).unwrap());
         // Three sequences on scattered, interleaved blocks.
@@ -320,10 +345,10 @@ mod tests {
             let (q, k, v) = (wave(n_tok * q_w, f), wave(n_tok * kv_w, f * 1.7), wave(n_tok * kv_w, f * 2.3));
             let (mut hq, mut hk) = (q.clone(), k.clone());
             let expected = paged_attention(&rows, &mut hq, &mut hk, &v, &mut host, shape, &rope);
-            let plan = StepPlan::new(&rows, block_size, heads, &[None, window], &device).unwrap();
+            let plan = StepPlan::new(&rows, block_size, heads, &[None, window], &device_rope, &device).unwrap();
             let t = |x: Vec<f32>, w: usize| Tensor::from_vec(x, (n_tok, w), &device).unwrap();
             let got =
-                paged_attention_on_device(&plan, &t(q, q_w), &t(k, kv_w), &t(v, kv_w), &pool, shape, &device_rope)
+                paged_attention_on_device(&plan, &t(q, q_w), &t(k, kv_w), &t(v, kv_w), &pool, shape, plan.rope(0))
                     .unwrap()
                     .flatten_all()
                     .unwrap()

@@ -306,14 +306,14 @@ enum KvStore {
     /// Host memory and the host kernel (`attention`): bit-exact whatever the batch or chunk.
     Host(Vec<LayerKv>),
     /// Tensors on the model's device and the device-generic path (`device_attention`), with the
-    /// rope tables there too.
-    Device { layers: Vec<DeviceKv>, ropes: Vec<DeviceRope>, block_size: usize },
+    /// rope tables there too and the distinct windows of the layers (each step's masks).
+    Device { layers: Vec<DeviceKv>, ropes: Vec<DeviceRope>, windows: Vec<Option<usize>>, block_size: usize },
 }
 
 /// One layer's share of the KV pool, as a step sees it.
 enum LayerStore<'a> {
     Host(&'a mut LayerKv),
-    Device { kv: &'a DeviceKv, plan: &'a StepPlan, ropes: &'a [DeviceRope] },
+    Device { kv: &'a DeviceKv, plan: &'a StepPlan },
 }
 
 struct Loader<'a> {
@@ -412,6 +412,11 @@ impl Loader<'_> {
 }
 
 impl LlamaModel {
+    /// Whether attention runs over device tensors (`device_attention`) rather than the host kernel.
+    pub fn uses_device_attention(&self) -> bool {
+        self.device_attention
+    }
+
     pub fn load(path: &Path, content: &gguf_file::Content, opts: &LoadOptions) -> Result<Self> {
         let cfg = LlamaConfig::from_gguf(content)?;
         let device = super::default_device();
@@ -499,6 +504,7 @@ impl LlamaModel {
             kv_bytes_per_token: cfg.n_layer * 2 * cfg.heads.n_kv_head * cfg.heads.head_dim * 4,
             device: device_name(&device).into(),
         };
+        // A GPU always attends on the device: the host kernel would copy q, k and v every layer.
         let device_attention = opts.device_attention || !device.is_cpu();
         Ok(LlamaModel {
             spec,
@@ -553,8 +559,8 @@ impl Layer {
         let table = usize::from(self.window.is_some());
         let attn = match kv {
             LayerStore::Host(kv) => host_attention(rows, &qkv, kv, shape, &step.ropes[table], step.device)?,
-            LayerStore::Device { kv, plan, ropes } => {
-                paged_attention_on_device(plan, &qkv[0], &qkv[1], &qkv[2], kv, shape, &ropes[table])?
+            LayerStore::Device { kv, plan } => {
+                paged_attention_on_device(plan, &qkv[0], &qkv[1], &qkv[2], kv, shape, plan.rope(table))?
             }
         };
         let o = self.wo.forward(&attn)?;
@@ -655,6 +661,7 @@ impl Backend for LlamaModel {
                     .iter()
                     .map(|r| DeviceRope::new(r, &self.device))
                     .collect::<candle_core::Result<_>>()?,
+                windows: windows(&self.layers),
                 block_size,
             }
         } else {
@@ -686,10 +693,10 @@ impl Backend for LlamaModel {
                     x = layer.forward(x, rows, LayerStore::Host(kv), &step)?;
                 }
             }
-            KvStore::Device { layers, ropes, block_size } => {
-                let plan = StepPlan::new(rows, *block_size, step.heads, &windows(&self.layers), &self.device)?;
+            KvStore::Device { layers, ropes, windows, block_size } => {
+                let plan = StepPlan::new(rows, *block_size, step.heads, windows, ropes, &self.device)?;
                 for (layer, kv) in self.layers.iter().zip(layers.iter()) {
-                    x = layer.forward(x, rows, LayerStore::Device { kv, plan: &plan, ropes }, &step)?;
+                    x = layer.forward(x, rows, LayerStore::Device { kv, plan: &plan }, &step)?;
                 }
             }
         }
