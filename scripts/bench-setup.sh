@@ -5,7 +5,7 @@
 # instead of the default model.
 model="$(scripts/fetch-model.sh "${BELLOWS_BENCH_MODEL:-smollm2}")"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target}"
-cargo build --release -q -p bellows-worker
+cargo build --release -q --workspace --bins
 bin="$CARGO_TARGET_DIR/release/bellows-worker"
 if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
     # llama.cpp's native build enables every instruction set the CPU advertises, AMX too, whose

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what a fresh Debian/Ubuntu machine lacks to build and test Bellows: protoc (gRPC code
-# generation), etcd (tests start their own), the models (the default and Gemma 3 for the second
-# model family), and the OpenAI Python client. Idempotent: does nothing that
+# generation), etcd (tests start their own), the models and vocabularies (the default model, and
+# those the family, tokenizer and template tests hold to llama.cpp and Hugging Face: see
+# scripts/fetch-model.sh), and the OpenAI Python client. Idempotent: does nothing that
 # is already done.
 set -euo pipefail
 need=()

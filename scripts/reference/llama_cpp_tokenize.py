@@ -19,7 +19,10 @@ Regenerate (after changing CASES, or for another model):
     scripts/fetch-model.sh
     .venv/bin/python scripts/reference/llama_cpp_tokenize.py \
         [--model ~/.cache/bellows/models/SmolLM2-135M-Instruct.Q4_1.gguf] \
-        [--out crates/worker/tests/fixtures/tokenizer_reference.json]
+        [--out crates/worker/tests/fixtures/tokenizer_reference.json] [--metadata-only]
+
+--metadata-only tokenizes a copy of the file without its tensor table: llama.cpp refuses a file
+whose tensors run past its end, such as the head of a split model (fetch-model.sh qwen-vocab).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import argparse
 import hashlib
 import json
 import os
+import struct
 import sys
+import tempfile
 from pathlib import Path
 
 import llama_cpp
@@ -61,9 +66,12 @@ CASES = [
     "\ue000 and \U0010fffd",  # private-use characters: SentencePiece falls back to bytes
     "    four spaces\tand tabs\t\t\n\n\n",  # runs of spaces, tabs and newlines
     "Ünïcödé ÀÉÎÕÜ ñ ß Ωμέγα Привет",  # accents, Greek, Cyrillic
+    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>",  # Llama 3's header tokens
+    "<｜User｜>2+2?<｜Assistant｜><think>\nfour</think>",  # DeepSeek-R1's full-width bars
+    "[INST] Hi [/INST]",  # Mistral's instruction markers
 ]
 
-SPECIAL_MARKERS = ("<|", "|>", "<start_of_turn>", "<end_of_turn>")
+SPECIAL_MARKERS = ("<|", "|>", "<start_of_turn>", "<end_of_turn>", "<｜")
 
 
 def sha256(path: Path) -> str:
@@ -74,15 +82,51 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def metadata_only_copy(src: Path, dir: Path) -> Path:
+    """The GGUF's header and key-value section with a tensor count of 0, under the same name."""
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    with open(src, "rb") as f:
+        def rd(fmt: str):
+            return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
+
+        def skip(t: int) -> None:
+            if t == 8:  # string
+                f.seek(rd("Q"), 1)
+            elif t == 9:  # array
+                at, n = rd("I"), rd("Q")
+                if at in sizes:
+                    f.seek(sizes[at] * n, 1)
+                else:
+                    for _ in range(n):
+                        skip(at)
+            else:
+                f.seek(sizes[t], 1)
+
+        magic, version, _, n_kv = f.read(4), rd("I"), rd("Q"), rd("Q")
+        start = f.tell()
+        for _ in range(n_kv):
+            f.seek(rd("Q"), 1)
+            skip(rd("I"))
+        end = f.tell()
+        f.seek(start)
+        kv = f.read(end - start)
+    out = dir / src.name
+    out.write_bytes(magic + struct.pack("<IQQ", version, 0, n_kv) + kv)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=Path(os.environ.get("BELLOWS_MODEL", DEFAULT_MODEL)))
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--metadata-only", action="store_true", help="tokenize a copy without tensors")
     args = ap.parse_args()
     if not args.model.is_file():
         sys.exit(f"model not found: {args.model} (run scripts/fetch-model.sh)")
 
-    llm = llama_cpp.Llama(model_path=str(args.model), vocab_only=True, verbose=False)
+    tmp = tempfile.TemporaryDirectory()
+    path = metadata_only_copy(args.model, Path(tmp.name)) if args.metadata_only else args.model
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     n_vocab = llm.n_vocab()
     eog_ids = [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]

@@ -5,7 +5,8 @@
 //! conditions on, and nothing fails: answers just get worse. So the environment copies HF's:
 //! `trim_blocks` and `lstrip_blocks` on, no autoescaping, Python string methods (`.strip()`,
 //! `.startswith()`, ...) through minijinja-contrib's pycompat, a `raise_exception` function, a
-//! `tojson` that prints like Python's `json.dumps`, and the variables `messages`,
+//! `strftime_now` (Llama 3.2+ and SmolLM3 print today's date), a `tojson` that prints like
+//! Python's `json.dumps`, and the variables `messages`,
 //! `add_generation_prompt`, `bos_token`, `eos_token`. The template is compiled once, at load,
 //! so a template minijinja cannot parse fails the model load, not the first request.
 
@@ -59,6 +60,7 @@ impl ChatTemplate {
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", |format: String| strftime(chrono::Local::now().naive_local(), &format));
         env.add_filter("tojson", tojson);
         env.add_template_owned(NAME, source.to_owned()).map_err(|e| ChatTemplateError(format!("{e:#}")))?;
         Ok(Self {
@@ -68,6 +70,13 @@ impl ChatTemplate {
             bos_token: bos_token.map(str::to_owned),
             eos_token: eos_token.map(str::to_owned),
         })
+    }
+
+    /// `strftime_now` answers with `now` instead of the clock: a render that does not change
+    /// with the day (reference tests).
+    pub fn with_now(mut self, now: chrono::NaiveDateTime) -> Self {
+        self.env.add_function("strftime_now", move |format: String| strftime(now, &format));
+        self
     }
 
     pub fn source(&self) -> &str {
@@ -103,6 +112,16 @@ impl ChatTemplate {
             })
             .map_err(|e| ChatTemplateError(format!("rendering the chat template: {e:#}")))
     }
+}
+
+/// Python's `datetime.strftime`, as HF's `strftime_now` calls it; a format chrono does not know
+/// fails the render instead of panicking.
+fn strftime(now: chrono::NaiveDateTime, format: &str) -> Result<Value, Error> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    write!(out, "{}", now.format(format))
+        .map_err(|_| Error::new(ErrorKind::InvalidOperation, format!("strftime_now: unsupported format {format:?}")))?;
+    Ok(Value::from(out))
 }
 
 /// HF templates call `raise_exception("...")` to reject a conversation (e.g. roles that do not
@@ -207,6 +226,15 @@ mod tests {
         let t = ChatTemplate::new(src, None, None).unwrap();
         // Booleans print as Python's `True`, as in Jinja2.
         assert_eq!(t.render(&[msg("user", "  x,y  ")], false).unwrap(), "x,y|True|y  ");
+    }
+
+    #[test]
+    fn strftime_now_prints_the_pinned_date_as_python_would_and_refuses_an_unknown_format() {
+        let now = chrono::NaiveDate::from_ymd_opt(2024, 7, 26).unwrap().and_hms_opt(9, 5, 0).unwrap();
+        let t = ChatTemplate::new("Today Date: {{ strftime_now('%d %b %Y') }}", None, None).unwrap().with_now(now);
+        assert_eq!(t.render(&[], false).unwrap(), "Today Date: 26 Jul 2024");
+        let bad = ChatTemplate::new("{{ strftime_now('%Q') }}", None, None).unwrap();
+        assert!(bad.render(&[], false).unwrap_err().to_string().contains("unsupported format"));
     }
 
     #[test]

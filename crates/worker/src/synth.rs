@@ -1,6 +1,8 @@
 //! A llama-shaped model of any size with random weights, written as GGUF (`bellows-worker
 //! synth-model`): for benchmarks where a real file cannot travel. A GPU machine here takes 64 MiB
-//! per call, so a 7B-shaped model is made there, in seconds, instead of carried.
+//! per call, so a 7B-shaped model is made there, in seconds, instead of carried. It also writes
+//! the `qwen2` and `qwen3` layouts (q/k/v biases; per-head q/k norms), so a family whose weights
+//! no reachable registry holds can still be checked against llama.cpp on the same file.
 //!
 //! Its vocabulary, tokenizer and chat template are copied from a real GGUF (the default model),
 //! so it loads, tokenizes and serves like any model; its text is noise. Weights are Q8_0, random
@@ -20,9 +22,31 @@ use rand::{Rng, SeedableRng};
 
 use crate::load::default_model_path;
 
+/// The GGUF architecture to write.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SynthArch {
+    Llama,
+    /// Biases on q, k and v.
+    Qwen2,
+    /// Per-head RMS norms of q and k, no biases.
+    Qwen3,
+}
+
+impl SynthArch {
+    fn name(self) -> &'static str {
+        match self {
+            SynthArch::Llama => "llama",
+            SynthArch::Qwen2 => "qwen2",
+            SynthArch::Qwen3 => "qwen3",
+        }
+    }
+}
+
 /// The shape of the model to make; the defaults are Llama 2 7B's.
 #[derive(clap::Args, Debug, Clone)]
 pub struct SynthArgs {
+    #[arg(long, value_enum, default_value_t = SynthArch::Llama)]
+    pub arch: SynthArch,
     /// The GGUF whose vocabulary, tokenizer and chat template the new model takes [default: the
     /// default model].
     #[arg(long)]
@@ -41,6 +65,9 @@ pub struct SynthArgs {
     pub heads: usize,
     #[arg(long, default_value_t = 32)]
     pub kv_heads: usize,
+    /// The width of a head [default: hidden / heads]; Qwen3's and Gemma's are wider.
+    #[arg(long)]
+    pub head_dim: Option<usize>,
     #[arg(long, default_value_t = 4096)]
     pub context: usize,
     #[arg(long, default_value_t = 1)]
@@ -51,16 +78,27 @@ pub struct SynthArgs {
 const Q8_0_BLOCK: usize = 34;
 const Q8_0_WEIGHTS: usize = 32;
 
+impl SynthArgs {
+    fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden / self.heads)
+    }
+}
+
 /// Write the model `a` describes; returns its weight bytes.
 pub fn write(a: &SynthArgs) -> Result<u64> {
-    anyhow::ensure!(a.hidden.is_multiple_of(a.heads), "--hidden {} is no multiple of --heads {}", a.hidden, a.heads);
+    anyhow::ensure!(
+        a.head_dim.is_some() || a.hidden.is_multiple_of(a.heads),
+        "--hidden {} is no multiple of --heads {} (or give --head-dim)",
+        a.hidden,
+        a.heads
+    );
     anyhow::ensure!(
         a.heads.is_multiple_of(a.kv_heads),
         "--heads {} is no multiple of --kv-heads {}",
         a.heads,
         a.kv_heads
     );
-    for (name, width) in [("--hidden", a.hidden), ("--ffn", a.ffn)] {
+    for (name, width) in [("--hidden", a.hidden), ("--ffn", a.ffn), ("--heads x --head-dim", a.heads * a.head_dim())] {
         anyhow::ensure!(width.is_multiple_of(Q8_0_WEIGHTS), "{name} {width} is no multiple of {Q8_0_WEIGHTS}");
     }
     let like = a.like.clone().unwrap_or_else(default_model_path);
@@ -81,21 +119,26 @@ pub fn write(a: &SynthArgs) -> Result<u64> {
     Ok(bytes)
 }
 
-/// The llama hyper-parameters of `a`, and every `tokenizer.*` entry of the source.
+/// The hyper-parameters of `a` under its architecture's keys, and every `tokenizer.*` entry of
+/// the source.
 fn metadata(a: &SynthArgs, source: &gguf_file::Content) -> Vec<(String, gguf_file::Value)> {
     use gguf_file::Value::{F32, String as Text, U32};
     let u = |n: usize| U32(n as u32);
+    let arch = a.arch.name();
+    let key = |k: &str| format!("{arch}.{k}");
     let mut m = vec![
-        ("general.architecture".to_string(), Text("llama".into())),
-        ("general.name".to_string(), Text(format!("synthetic llama {}x{}", a.layers, a.hidden))),
-        ("llama.block_count".to_string(), u(a.layers)),
-        ("llama.embedding_length".to_string(), u(a.hidden)),
-        ("llama.feed_forward_length".to_string(), u(a.ffn)),
-        ("llama.attention.head_count".to_string(), u(a.heads)),
-        ("llama.attention.head_count_kv".to_string(), u(a.kv_heads)),
-        ("llama.context_length".to_string(), u(a.context)),
-        ("llama.rope.freq_base".to_string(), F32(10_000.0)),
-        ("llama.attention.layer_norm_rms_epsilon".to_string(), F32(1e-5)),
+        ("general.architecture".to_string(), Text(arch.into())),
+        ("general.name".to_string(), Text(format!("synthetic {arch} {}x{}", a.layers, a.hidden))),
+        (key("block_count"), u(a.layers)),
+        (key("embedding_length"), u(a.hidden)),
+        (key("feed_forward_length"), u(a.ffn)),
+        (key("attention.head_count"), u(a.heads)),
+        (key("attention.head_count_kv"), u(a.kv_heads)),
+        (key("attention.key_length"), u(a.head_dim())),
+        (key("attention.value_length"), u(a.head_dim())),
+        (key("context_length"), u(a.context)),
+        (key("rope.freq_base"), F32(10_000.0)),
+        (key("attention.layer_norm_rms_epsilon"), F32(1e-5)),
     ];
     let mut tokenizer: Vec<_> = source
         .metadata
@@ -111,7 +154,7 @@ fn metadata(a: &SynthArgs, source: &gguf_file::Content) -> Vec<(String, gguf_fil
 /// Every tensor of the model, named as GGUF llama files name them.
 fn tensors(a: &SynthArgs, vocab: usize) -> Result<Vec<(String, QTensor)>> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
-    let kv = a.hidden / a.heads * a.kv_heads;
+    let (q, kv) = (a.heads * a.head_dim(), a.kv_heads * a.head_dim());
     let mut t = vec![
         ("token_embd.weight".to_string(), random_q8_0(&mut rng, vocab, a.hidden)?),
         ("output_norm.weight".to_string(), ones(a.hidden)?),
@@ -121,23 +164,47 @@ fn tensors(a: &SynthArgs, vocab: usize) -> Result<Vec<(String, QTensor)>> {
         t.push((p("attn_norm.weight"), ones(a.hidden)?));
         t.push((p("ffn_norm.weight"), ones(a.hidden)?));
         for (name, rows, cols) in [
-            ("attn_q.weight", a.hidden, a.hidden),
+            ("attn_q.weight", q, a.hidden),
             ("attn_k.weight", kv, a.hidden),
             ("attn_v.weight", kv, a.hidden),
-            ("attn_output.weight", a.hidden, a.hidden),
+            ("attn_output.weight", a.hidden, q),
             ("ffn_gate.weight", a.ffn, a.hidden),
             ("ffn_up.weight", a.ffn, a.hidden),
             ("ffn_down.weight", a.hidden, a.ffn),
         ] {
             t.push((p(name), random_q8_0(&mut rng, rows, cols)?));
         }
+        // Norm weights and biases away from one and zero, so a weight applied to the wrong place
+        // changes the output.
+        match a.arch {
+            SynthArch::Llama => {}
+            SynthArch::Qwen2 => {
+                for (name, n) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
+                    t.push((p(name), random_f32(&mut rng, n, -0.5..0.5)?));
+                }
+            }
+            SynthArch::Qwen3 => {
+                for name in ["attn_q_norm.weight", "attn_k_norm.weight"] {
+                    t.push((p(name), random_f32(&mut rng, a.head_dim(), 0.5..1.5)?));
+                }
+            }
+        }
     }
     Ok(t)
 }
 
-fn ones(n: usize) -> Result<QTensor> {
-    let bytes: Vec<u8> = std::iter::repeat_n(1f32.to_le_bytes(), n).flatten().collect();
+fn f32_tensor(values: impl Iterator<Item = f32>) -> Result<QTensor> {
+    let bytes: Vec<u8> = values.flat_map(f32::to_le_bytes).collect();
+    let n = bytes.len() / 4;
     Ok(QTensor::new(QStorage::from_data(bytes.into(), &Device::Cpu, GgmlDType::F32)?, n)?)
+}
+
+fn random_f32(rng: &mut impl Rng, n: usize, range: std::ops::Range<f32>) -> Result<QTensor> {
+    f32_tensor((0..n).map(|_| rng.random_range(range.clone())))
+}
+
+fn ones(n: usize) -> Result<QTensor> {
+    f32_tensor(std::iter::repeat_n(1.0, n))
 }
 
 /// A `[rows, cols]` Q8_0 matrix of uniform random quants, scaled so a row's dot product with a
@@ -174,12 +241,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = SynthArgs {
             like: Some(like.clone()),
+            arch: SynthArch::Llama,
             out: dir.path().join("tiny.gguf"),
             layers: 2,
             hidden: 128,
             ffn: 256,
             heads: 4,
             kv_heads: 2,
+            head_dim: None,
             context: 256,
             seed: 7,
         };

@@ -20,6 +20,7 @@ use bellows_worker::{
     request::{Event, FinishReason, GenerateRequest, Usage},
     sampling::SamplingParams,
     scheduler::SchedulerConfig,
+    synth::{self, SynthArgs},
     tokenizer::{ChatMessage, ModelTokenizer},
 };
 
@@ -80,6 +81,16 @@ fn greedy(prompt: Vec<u32>, n: u32) -> GenerateRequest {
 #[derive(serde::Deserialize)]
 struct Reference {
     cases: Vec<RefCase>,
+    /// How a synthetic model was made (scripts/reference/synth_greedy.sh).
+    synth: Option<SynthRecipe>,
+}
+
+#[derive(serde::Deserialize)]
+struct SynthRecipe {
+    /// `bellows-worker synth-model` arguments, without `--out`.
+    args: Vec<String>,
+    /// The file's xxh3, hex: the model llama.cpp ran.
+    file_xxh3: String,
 }
 
 #[derive(serde::Deserialize)]
@@ -87,6 +98,9 @@ struct RefCase {
     prompt: String,
     prompt_ids: Vec<u32>,
     greedy_ids: Vec<u32>,
+    /// Synthetic models: at each greedy step, llama.cpp's highest logits as (token, logit).
+    #[serde(default)]
+    top_logits: Vec<Vec<(u32, f32)>>,
 }
 
 /// Greedy tokens from `path` against llama.cpp's in `fixture`: at least `min_agree` of each case's
@@ -154,6 +168,98 @@ fn gemma3_on_the_device_path_follows_llama_cpp_including_beyond_its_sliding_wind
     let path = cached_model_path("gemma-3-270m-q4_k_m.gguf");
     let opts = LoadOptions { requantize: false, repack: false, device_attention: true, ..LoadOptions::default() };
     assert_greedy_follows_llama_cpp(&path, include_str!("fixtures/greedy_reference_gemma3.json"), opts, 4, 0.7);
+}
+
+/// The synthetic model `fixture` was made on, made again in `dir`, byte for byte.
+fn synth_model(fixture: &str, dir: &Path) -> std::path::PathBuf {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: SynthArgs,
+    }
+    let recipe = serde_json::from_str::<Reference>(fixture).expect("fixture parses").synth.expect("a synth recipe");
+    let out = dir.join("model.gguf");
+    let argv =
+        ["synth-model".to_string()].into_iter().chain(recipe.args).chain(["--out".into(), out.display().to_string()]);
+    synth::write(&<Cli as clap::Parser>::parse_from(argv).args).expect("synth-model writes the model");
+    let hash = xxhash_rust::xxh3::xxh3_64(&std::fs::read(&out).unwrap());
+    assert_eq!(
+        format!("{hash:016x}"),
+        recipe.file_xxh3,
+        "synth-model no longer makes the file the fixture was made on: run scripts/reference/synth_greedy.sh"
+    );
+    out
+}
+
+/// Our logits along a sequence: the prompt in one chunk, then each of `forced` fed one at a time.
+fn forced_logits(model: &mut dyn Backend, prompt: &[u32], forced: &[u32]) -> Vec<Vec<f32>> {
+    let len = prompt.len() + forced.len();
+    let mut pool = BlockPool::new(len.div_ceil(16), 16);
+    model.allocate_kv(len.div_ceil(16), 16).unwrap();
+    let blocks: Vec<_> = (0..len.div_ceil(16)).map(|_| pool.allocate().unwrap()).collect();
+    let tokens: Vec<u32> = prompt.iter().chain(forced).copied().collect();
+    let row = |start: usize, end: usize| BatchRow {
+        tokens: &tokens[start..end],
+        start_pos: start,
+        blocks: &blocks,
+        want_logits: true,
+    };
+    let mut out = model.forward(&[row(0, prompt.len())]).unwrap();
+    for pos in prompt.len()..len - 1 {
+        out.extend(model.forward(&[row(pos, pos + 1)]).unwrap());
+    }
+    out
+}
+
+/// A synthetic model's logits against llama.cpp's along llama.cpp's greedy sequence: at every
+/// step, each of llama.cpp's top logits within `tolerance` of ours, and its greedy token within
+/// `tolerance` of our best. (Its free-running tokens part at the first near-tie: random weights
+/// give near-ties at almost every step.)
+fn assert_logits_follow_llama_cpp(fixture: &str, tolerance: f32) {
+    let reference: Reference = serde_json::from_str(fixture).expect("fixture parses");
+    let dir = tempfile::tempdir().unwrap();
+    let path = synth_model(fixture, dir.path());
+    // llama.cpp computes with the file's Q8_0 weights as they are: so do we.
+    let opts = LoadOptions { requantize: false, repack: false, ..LoadOptions::default() };
+    let (mut model, tok) = load_gguf(&path, &opts, None).expect("model loads");
+    let mut worst = 0f32;
+    for case in &reference.cases {
+        assert_eq!(tok.encode(&case.prompt, true).unwrap(), case.prompt_ids, "tokenization of {:?}", case.prompt);
+        assert_eq!(case.top_logits.len(), case.greedy_ids.len(), "the fixture has logits for every step");
+        let ours = forced_logits(&mut model, &case.prompt_ids, &case.greedy_ids);
+        for (step, (logits, top)) in ours.iter().zip(&case.top_logits).enumerate() {
+            let best = logits.iter().fold(f32::MIN, |m, &x| m.max(x));
+            let chosen = case.greedy_ids[step] as usize;
+            let gap =
+                top.iter().map(|&(id, want)| (logits[id as usize] - want).abs()).fold(best - logits[chosen], f32::max);
+            assert!(
+                gap <= tolerance,
+                "{:?}, step {step}: our logits are {gap} off llama.cpp's (tolerance {tolerance})",
+                case.prompt
+            );
+            worst = worst.max(gap);
+        }
+    }
+    eprintln!("largest difference from llama.cpp's logits: {worst}");
+}
+
+#[test]
+fn qwen3_logits_follow_llama_cpp_on_a_model_of_its_shape() {
+    // No Qwen3 weights are in the registries this project reaches, so the file is synthetic:
+    // random Q8_0 weights in Qwen3's layout (per-head q and k norms before rotary, no biases,
+    // heads twice as wide as hidden / heads), with the default model's vocabulary. The norms'
+    // weights are random too, so one applied to the wrong tensor moves the logits. Measured: at
+    // most 0.059 off llama.cpp's (logits of about 4; llama.cpp quantizes activations its own
+    // way); without the k norm, 1.2.
+    assert_logits_follow_llama_cpp(include_str!("fixtures/greedy_reference_synth_qwen3.json"), 0.15);
+}
+
+#[test]
+fn qwen2_logits_follow_llama_cpp_on_a_model_of_its_shape() {
+    // Qwen2's layout: biases on q, k and v (random, so a bias added to the wrong projection
+    // moves the logits), rotary on halves. Measured: at most 0.061 off llama.cpp's; without the
+    // biases, 3.5.
+    assert_logits_follow_llama_cpp(include_str!("fixtures/greedy_reference_synth_qwen2.json"), 0.15);
 }
 
 #[test]

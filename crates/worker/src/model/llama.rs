@@ -1,12 +1,14 @@
-//! Llama-family transformers (GGUF `llama`, `qwen2`, `gemma3`) with a batched, ragged forward
-//! pass.
+//! Llama-family transformers (GGUF `llama`, `qwen2`, `qwen3`, `gemma3`) with a batched, ragged
+//! forward pass.
 //!
 //! The families differ in a few places, each a field of [`Family`]'s traits rather than a copy of
-//! the forward: how rotary pairs dimensions, per-head norms of q and k (Gemma 3), norms after
-//! attention and after the MLP (Gemma 3), a scaled embedding, the MLP's activation, biases on q/k/v
-//! (Qwen2), and sliding-window layers with their own rope base (Gemma 3: five local layers of 512
-//! positions to each global one). Each family is checked against llama.cpp's greedy output on a
-//! real file (`tests/engine_real_model.rs`).
+//! the forward: how rotary pairs dimensions, per-head norms of q and k (Qwen3, Gemma 3), norms
+//! after attention and after the MLP (Gemma 3), a scaled embedding, the MLP's activation, biases
+//! on q/k/v (Qwen2, where the file has them), and sliding-window layers with their own rope base
+//! (Gemma 3: five local layers of 512 positions to each global one). Each family is checked
+//! against llama.cpp's greedy output on a file (`tests/engine_real_model.rs`: real weights for
+//! llama and Gemma 3; Qwen3 on a file of its shape made by `synth`, since no Qwen3 weights are in
+//! the package registries this project can reach).
 //!
 //! Why our own forward rather than candle's stock models: those keep one KV cache per model and
 //! fail on batched prefill, so they cannot serve many sequences at once. Here every linear layer
@@ -67,6 +69,7 @@ impl Default for LoadOptions {
 pub enum Family {
     Llama,
     Qwen2,
+    Qwen3,
     Gemma3,
 }
 
@@ -75,20 +78,26 @@ impl Family {
         Ok(match arch {
             "llama" => Family::Llama,
             "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
             "gemma3" => Family::Gemma3,
-            other => bail!("unsupported architecture {other:?} (supported: llama, qwen2, gemma3)"),
+            other => bail!("unsupported architecture {other:?} (supported: llama, qwen2, qwen3, gemma3)"),
         })
     }
 
     fn rope_style(self) -> RopeStyle {
         match self {
             Family::Llama => RopeStyle::Interleaved,
-            Family::Qwen2 | Family::Gemma3 => RopeStyle::Halves,
+            Family::Qwen2 | Family::Qwen3 | Family::Gemma3 => RopeStyle::Halves,
         }
     }
 
-    /// Gemma normalizes q and k per head, and each sub-layer's output before the residual add.
-    fn gemma_norms(self) -> bool {
+    /// Qwen3 and Gemma 3 normalize q and k per head, before rotary.
+    fn qk_norms(self) -> bool {
+        matches!(self, Family::Qwen3 | Family::Gemma3)
+    }
+
+    /// Gemma also normalizes each sub-layer's output before the residual add.
+    fn post_norms(self) -> bool {
         self == Family::Gemma3
     }
 
@@ -261,12 +270,16 @@ impl Fused {
     }
 }
 
-/// Gemma's extra norms: q and k per head, and each sub-layer's output.
-struct GemmaNorms {
+/// Per-head norms of q and k (Qwen3, Gemma 3).
+struct QkNorms {
     q: Tensor,
     k: Tensor,
-    post_attention: Tensor,
-    post_ffn: Tensor,
+}
+
+/// Norms of each sub-layer's output (Gemma 3).
+struct PostNorms {
+    attention: Tensor,
+    ffn: Tensor,
 }
 
 struct Layer {
@@ -276,7 +289,8 @@ struct Layer {
     ffn_norm: Tensor,
     gate_up: Fused,
     down: Linear,
-    gemma: Option<GemmaNorms>,
+    qk_norms: Option<QkNorms>,
+    post_norms: Option<PostNorms>,
     /// The positions this layer attends to (None: all); a sliding-window layer also takes the
     /// second rope table.
     window: Option<usize>,
@@ -458,19 +472,21 @@ impl LlamaModel {
                 &[p("attn_q.weight"), p("attn_k.weight"), p("attn_v.weight")],
                 &[p("attn_q.bias"), p("attn_k.bias"), p("attn_v.bias")],
             )?;
-            let gemma = if cfg.family.gemma_norms() {
-                Some(GemmaNorms {
-                    q: l.f32(&p("attn_q_norm.weight"))?,
-                    k: l.f32(&p("attn_k_norm.weight"))?,
-                    post_attention: l.f32(&p("post_attention_norm.weight"))?,
-                    post_ffn: l.f32(&p("post_ffw_norm.weight"))?,
-                })
-            } else {
-                None
+            let qk_norms = match cfg.family.qk_norms() {
+                true => Some(QkNorms { q: l.f32(&p("attn_q_norm.weight"))?, k: l.f32(&p("attn_k_norm.weight"))? }),
+                false => None,
+            };
+            let post_norms = match cfg.family.post_norms() {
+                true => Some(PostNorms {
+                    attention: l.f32(&p("post_attention_norm.weight"))?,
+                    ffn: l.f32(&p("post_ffw_norm.weight"))?,
+                }),
+                false => None,
             };
             let local = cfg.sliding.filter(|s| s.is_local(i));
             layers.push(Layer {
-                gemma,
+                qk_norms,
+                post_norms,
                 window: local.map(|s| s.window),
                 attn_norm: l.f32(&p("attn_norm.weight"))?,
                 qkv,
@@ -550,9 +566,9 @@ impl Layer {
         let (heads, eps) = (step.heads, step.eps);
         let h = candle_nn::ops::rms_norm(x, &self.attn_norm, eps)?;
         let mut qkv = self.qkv.forward(&h)?;
-        if let Some(g) = &self.gemma {
-            qkv[0] = per_head_norm(&qkv[0], &g.q, heads.head_dim, eps)?;
-            qkv[1] = per_head_norm(&qkv[1], &g.k, heads.head_dim, eps)?;
+        if let Some(n) = &self.qk_norms {
+            qkv[0] = per_head_norm(&qkv[0], &n.q, heads.head_dim, eps)?;
+            qkv[1] = per_head_norm(&qkv[1], &n.k, heads.head_dim, eps)?;
         }
         let shape = Attention { heads, scale: step.scale, window: self.window };
         // Global layers take the first rope table, sliding-window layers the second.
@@ -564,8 +580,8 @@ impl Layer {
             }
         };
         let o = self.wo.forward(&attn)?;
-        match &self.gemma {
-            Some(g) => Ok(candle_nn::ops::rms_norm(&o, &g.post_attention, eps)?),
+        match &self.post_norms {
+            Some(n) => Ok(candle_nn::ops::rms_norm(&o, &n.attention, eps)?),
             None => Ok(o),
         }
     }
@@ -578,8 +594,8 @@ impl Layer {
             Activation::GeluTanh => gu[0].gelu()?,
         };
         let d = self.down.forward(&(gate * &gu[1])?)?;
-        match &self.gemma {
-            Some(g) => Ok(candle_nn::ops::rms_norm(&d, &g.post_ffn, step.eps)?),
+        match &self.post_norms {
+            Some(n) => Ok(candle_nn::ops::rms_norm(&d, &n.ffn, step.eps)?),
             None => Ok(d),
         }
     }

@@ -12,7 +12,6 @@ use anyhow::{Context, Result, bail};
 use candle_core::quantized::gguf_file::{Content, Value};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
-use tokenizers::normalizers::unicode::NFC;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
@@ -31,7 +30,7 @@ pub(super) const QWEN2_SPLIT_REGEX: &str =
 pub(super) const LLAMA3_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The `tokenizer.ggml.pre` values this module reproduces exactly.
-const SUPPORTED_PRE: &[&str] = &["smollm", "qwen2", "llama-bpe", "llama3", "gpt-2", "gpt2"];
+const SUPPORTED_PRE: &[&str] = &["smollm", "qwen2", "deepseek-r1-qwen", "llama-bpe", "llama3", "gpt-2", "gpt2"];
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const TYPE_UNKNOWN: i64 = 2;
@@ -151,8 +150,11 @@ fn token_kinds(content: &Content, n_tokens: usize) -> Result<Vec<TokenKind>> {
         .collect()
 }
 
-fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool, bool)> {
-    // Returns (pre-tokenizer, NFC-normalize, ignore_merges).
+/// The split before BPE for `pre`, and whether a whole-word vocabulary hit wins over merges.
+/// No normalizer for any of them: llama.cpp applies none to byte-level vocabularies (Qwen2's
+/// tokenizer.json asks for NFC, llama.cpp ignores it, and its tokens are what a GGUF is held to),
+/// so a decomposed accent stays two tokens here as there.
+fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool)> {
     let split = |regex: &str| -> Result<PreTokenizerWrapper> {
         Ok(Split::new(SplitPattern::Regex(regex.to_owned()), SplitDelimiterBehavior::Isolated, false)
             .map_err(|e| anyhow::anyhow!("bad pre-tokenizer regex: {e}"))?
@@ -160,30 +162,34 @@ fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool, bool)> {
     };
     Ok(match pre {
         // SmolLM2's tokenizer.json: digits one by one, then GPT-2's regex, no prefix space.
-        "smollm" => (
-            Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into(),
-            false,
-            false,
-        ),
-        "qwen2" => (
-            Sequence::new(vec![split(QWEN2_SPLIT_REGEX)?, ByteLevel::new(false, false, false).into()]).into(),
-            true,
-            false,
-        ),
+        "smollm" => {
+            (Sequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]).into(), false)
+        }
+        // DeepSeek-R1's Qwen distills keep Qwen2's splitting (llama.cpp maps both to one type).
+        "qwen2" | "deepseek-r1-qwen" => {
+            (Sequence::new(vec![split(QWEN2_SPLIT_REGEX)?, ByteLevel::new(false, false, false).into()]).into(), false)
+        }
         // Llama 3's tokenizer.json sets ignore_merges (a whole-word vocab hit wins over merges),
         // and so does llama.cpp for this pre.
-        "llama-bpe" | "llama3" => (
-            Sequence::new(vec![split(LLAMA3_SPLIT_REGEX)?, ByteLevel::new(false, true, false).into()]).into(),
-            false,
-            true,
-        ),
-        "gpt-2" | "gpt2" => (ByteLevel::new(false, true, true).into(), false, false),
+        "llama-bpe" | "llama3" => {
+            (Sequence::new(vec![split(LLAMA3_SPLIT_REGEX)?, ByteLevel::new(false, true, false).into()]).into(), true)
+        }
+        "gpt-2" | "gpt2" => (ByteLevel::new(false, true, true).into(), false),
         other => bail!(
             "unsupported GGUF pre-tokenizer tokenizer.ggml.pre = `{other}` (supported: {}); \
              pass the model's tokenizer.json instead",
             SUPPORTED_PRE.join(", ")
         ),
     })
+}
+
+/// Whether a GGUF that does not say (no `tokenizer.ggml.add_bos_token`) gets BOS, as llama.cpp
+/// decides: yes for SentencePiece vocabularies and for Llama 3's byte-level one, no for other
+/// byte-level ones. Llama 3 without its BOS reads as a document cut mid-way.
+pub(super) fn adds_bos_by_default(content: &Content) -> Result<bool> {
+    let model = get_str(content, "tokenizer.ggml.model")?;
+    let pre = get_str(content, "tokenizer.ggml.pre")?;
+    Ok(model == Some("llama") || matches!(pre, Some("llama-bpe" | "llama3")))
 }
 
 /// Sets (or clears) the post-processor that adds BOS/EOS when `add_special_tokens` is true, so
@@ -279,7 +285,7 @@ fn byte_level(content: &Content, tokens: &[&str]) -> Result<Tokenizer> {
         "GGUF has no tokenizer.ggml.pre: cannot tell how to split text before BPE; \
          pass the model's tokenizer.json instead",
     )?;
-    let (pre_tokenizer, nfc, ignore_merges) = pre_tokenizer(pre)?;
+    let (pre_tokenizer, ignore_merges) = pre_tokenizer(pre)?;
     let merges = get_str_array(content, "tokenizer.ggml.merges")?
         .context("GGUF has no tokenizer.ggml.merges")?
         .into_iter()
@@ -298,9 +304,6 @@ fn byte_level(content: &Content, tokens: &[&str]) -> Result<Tokenizer> {
         .build()
         .map_err(|e| anyhow::anyhow!("building BPE from GGUF vocabulary: {e}"))?;
     let mut tokenizer = Tokenizer::new(bpe);
-    if nfc {
-        tokenizer.with_normalizer(Some(NFC)).map_err(|e| anyhow::anyhow!("setting the NFC normalizer: {e}"))?;
-    }
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
     tokenizer.with_decoder(Some(ByteLevelDecoder::new(false, true, true)));
     Ok(tokenizer)
@@ -369,7 +372,7 @@ pub(super) mod tests {
     }
 
     fn splits(pre: &str, input: &str) -> Vec<String> {
-        let (pt, _, _) = pre_tokenizer(pre).unwrap();
+        let (pt, _) = pre_tokenizer(pre).unwrap();
         let mut pts = PreTokenizedString::from(input);
         pt.pre_tokenize(&mut pts).unwrap();
         pts.get_splits(OffsetReferential::Original, OffsetType::Byte)

@@ -217,7 +217,10 @@ impl ModelTokenizer {
         others.retain(|i| !eos_ids.contains(i));
         eos_ids.extend(others);
 
-        let add_bos = gguf::get_bool(content, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+        let add_bos = match gguf::get_bool(content, "tokenizer.ggml.add_bos_token")? {
+            Some(said) => said,
+            None => gguf::adds_bos_by_default(content)?,
+        };
         let add_eos = gguf::get_bool(content, "tokenizer.ggml.add_eos_token")?.unwrap_or(false);
         let with_text = |id: Option<u32>| -> Result<Option<(u32, String)>> {
             id.map(|id| token_text(id).map(|t| (id, t)).with_context(|| format!("token id {id} has no text")))
