@@ -65,7 +65,7 @@ async fn outputs_of_200_generated_schemas_validate_whole_and_streamed_with_n_cho
 }
 
 #[tokio::test]
-async fn json_object_regex_and_grammar_constrain_the_answer() {
+async fn json_object_regex_grammar_and_choice_constrain_the_answer() {
     let (_workers, router) = cluster().await;
     let chat = |extra: Value| chat(200, extra);
     let (text, finish) = router
@@ -84,6 +84,12 @@ async fn json_object_regex_and_grammar_constrain_the_answer() {
         router.choices("/v1/chat/completions", &chat(json!({"guided_grammar": lark, "stream": true}))).await.remove(0);
     assert_eq!(finish, "stop");
     assert!(text.starts_with('<') && text.ends_with('>'), "{text:?}");
+    let choices = ["yes", "no", "a+b (maybe)"];
+    let body = chat(json!({"guided_choice": choices, "n": 6, "temperature": 1.0, "seed": 7}));
+    for (text, finish) in router.choices("/v1/chat/completions", &body).await {
+        assert_eq!(finish, "stop");
+        assert!(choices.contains(&text.as_str()), "{text:?} is one of {choices:?}");
+    }
     let (text, _) =
         router.choices("/v1/chat/completions", &chat(json!({"response_format": {"type": "text"}}))).await.remove(0);
     assert!(text.starts_with(" t"), "text is free: {text:?}");
@@ -112,6 +118,9 @@ async fn a_bad_constraint_is_a_400_naming_its_field_and_pointer_before_any_worke
         (json!({"guided_regex": "(unclosed"}), "guided_regex", None),
         (json!({"guided_grammar": "start: missing_rule"}), "guided_grammar", None),
         (json!({"guided_regex": "a", "response_format": {"type": "json_object"}}), "guided_regex", None),
+        (json!({"guided_choice": []}), "guided_choice", None),
+        (json!({"guided_choice": "yes"}), "guided_choice", None),
+        (json!({"guided_choice": ["yes"], "guided_regex": "a"}), "guided_choice", None),
     ];
     for (extra, param, pointer) in cases {
         let (status, _, body) = router.post("/v1/chat/completions", &chat(extra.clone())).await;

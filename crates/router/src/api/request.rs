@@ -145,6 +145,7 @@ struct RawRequest {
     guided_json: Option<Value>,
     guided_regex: Option<String>,
     guided_grammar: Option<String>,
+    guided_choice: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -198,6 +199,7 @@ fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
         raw.guided_json.take(),
         raw.guided_regex.take(),
         raw.guided_grammar.take(),
+        raw.guided_choice.take(),
     )?;
     if let (Some(s), Some(_)) = (&structured, tools.as_ref().filter(|t| t.active())) {
         return Err(ApiError::invalid(s.param, format!("'{}' cannot be combined with tools", s.param)));
@@ -395,6 +397,7 @@ fn structured(
     guided_json: Option<Value>,
     guided_regex: Option<String>,
     guided_grammar: Option<String>,
+    guided_choice: Option<Vec<String>>,
 ) -> Result<Option<Structured>, ApiError> {
     let mut given = Vec::new();
     if let Some(f) = response_format
@@ -418,6 +421,9 @@ fn structured(
     if let Some(lark) = guided_grammar {
         given.push(Structured { constraint: Constraint::Lark(lark), param: "guided_grammar" });
     }
+    if let Some(choices) = guided_choice {
+        given.push(Structured { constraint: choice_constraint(&choices)?, param: "guided_choice" });
+    }
     if given.len() > 1 {
         let names: Vec<&str> = given.iter().map(|s| s.param).collect();
         return Err(ApiError::invalid(
@@ -426,6 +432,16 @@ fn structured(
         ));
     }
     Ok(given.pop())
+}
+
+/// vLLM's `guided_choice`: the answer is exactly one of the strings, as a regex of their
+/// alternation with every metacharacter escaped (a choice `a+b` means those three characters).
+fn choice_constraint(choices: &[String]) -> Result<Constraint, ApiError> {
+    if choices.is_empty() {
+        return Err(ApiError::invalid("guided_choice", "'guided_choice' must list at least one string"));
+    }
+    let alternatives: Vec<String> = choices.iter().map(|c| regex_syntax::escape(c)).collect();
+    Ok(Constraint::Regex(format!("({})", alternatives.join("|"))))
 }
 
 /// OpenAI's `response_format`: `text` (no constraint), `json_object`, or `json_schema` with
@@ -600,6 +616,19 @@ mod tests {
             ApiError::InvalidRequest { param, .. } => param,
             other => panic!("not an invalid-request error: {other:?}"),
         }
+    }
+
+    #[test]
+    fn guided_choice_matches_exactly_its_strings_with_every_metacharacter_escaped() {
+        let with = |choices: &str| {
+            chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"guided_choice":{choices}}}"#))
+        };
+        let s = with(r#"["a+b", "c.d (e)", "yes"]"#).unwrap().params.structured.expect("a constraint");
+        assert_eq!(s.param, "guided_choice");
+        assert_eq!(s.constraint, Constraint::Regex(r"(a\+b|c\.d \(e\)|yes)".into()));
+        check_structured(&s).expect("the alternation compiles");
+        assert_eq!(param_of(with("[]").unwrap_err()).as_deref(), Some("guided_choice"));
+        assert_eq!(param_of(with(r#""yes""#).unwrap_err()).as_deref(), Some("guided_choice"));
     }
 
     #[test]
