@@ -60,8 +60,8 @@ WEATHER = {
     },
 }
 
-# (name, messages, tools, add_generation_prompt). Messages use only what Bellows' ChatMessage
-# carries: role, content, tool_calls (arguments as an object), tool_call_id.
+# (name, messages, tools, add_generation_prompt[, chat_template_kwargs]). Messages use only what
+# Bellows' ChatMessage carries: role, content, tool_calls (arguments as an object), tool_call_id.
 CONVERSATIONS = [
     ("one_user_turn", [{"role": "user", "content": "Hi there"}], None, True),
     (
@@ -107,6 +107,13 @@ CONVERSATIONS = [
         None,
         True,
     ),
+    (
+        "thinking_off",
+        [{"role": "user", "content": "What is 2+2?"}],
+        None,
+        True,
+        {"enable_thinking": False},
+    ),
 ]
 
 
@@ -135,8 +142,9 @@ def main() -> None:
     renders = []
     for name in TEMPLATES:
         template = env.from_string((a.templates / name).read_text(encoding="utf-8"))
-        for conv, messages, tools, gen in CONVERSATIONS:
+        for conv, messages, tools, gen, *kwargs in CONVERSATIONS:
             ctx = {"messages": messages, "add_generation_prompt": gen, "bos_token": BOS, "eos_token": EOS}
+            ctx.update(*kwargs)
             if tools is not None:
                 ctx["tools"] = tools
             try:
@@ -144,7 +152,8 @@ def main() -> None:
             except jinja2.exceptions.TemplateError as e:
                 renders.append({"template": name, "conversation": conv, "error": str(e)})
     conversations = [
-        {"name": c, "messages": m, "tools": t, "add_generation_prompt": g} for c, m, t, g in CONVERSATIONS
+        {"name": c, "messages": m, "tools": t, "add_generation_prompt": g, "chat_template_kwargs": (k or [None])[0]}
+        for c, m, t, g, *k in CONVERSATIONS
     ]
     result = {
         "generator": "scripts/reference/chat_templates.py",

@@ -6,8 +6,8 @@
 //! `trim_blocks` and `lstrip_blocks` on, no autoescaping, Python string methods (`.strip()`,
 //! `.startswith()`, ...) through minijinja-contrib's pycompat, a `raise_exception` function, a
 //! `strftime_now` (Llama 3.2+ and SmolLM3 print today's date), a `tojson` that prints like
-//! Python's `json.dumps`, and the variables `messages`,
-//! `add_generation_prompt`, `bos_token`, `eos_token`. The template is compiled once, at load,
+//! Python's `json.dumps`, the variables `messages`, `add_generation_prompt`, `bos_token`,
+//! `eos_token`, and a request's `chat_template_kwargs` (Qwen3's `enable_thinking`). The template is compiled once, at load,
 //! so a template minijinja cannot parse fails the model load, not the first request.
 
 use minijinja::value::Kwargs;
@@ -89,19 +89,25 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatTemplateError> {
-        self.render_with_tools(messages, add_generation_prompt, None)
+        self.render_with_tools(messages, add_generation_prompt, None, None)
     }
 
-    /// [`ChatTemplate::render`] with `tools` (OpenAI's tool objects) passed to the template.
+    /// [`ChatTemplate::render`] with `tools` (OpenAI's tool objects) and the request's
+    /// `chat_template_kwargs` (e.g. Qwen3's `enable_thinking`) passed to the template, as HF's
+    /// `apply_chat_template(..., **kwargs)` passes them. A kwarg may not be named like one of
+    /// the variables set here ([`RESERVED_TEMPLATE_VARIABLES`]); callers check that first.
     pub fn render_with_tools(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
         tools: Option<&[serde_json::Value]>,
+        kwargs: Option<&TemplateKwargs>,
     ) -> Result<String, ChatTemplateError> {
         let template = self.env.get_template(NAME).map_err(|e| ChatTemplateError(format!("{e:#}")))?;
         // An absent special token is undefined in the template, as in HF (not the string "None").
         let token = |t: &Option<String>| t.as_deref().map_or(Value::UNDEFINED, Value::from);
+        let none = TemplateKwargs::new();
+        let kwargs = Value::from_serialize(kwargs.unwrap_or(&none));
         template
             .render(context! {
                 messages => messages,
@@ -109,10 +115,19 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => token(&self.bos_token),
                 eos_token => token(&self.eos_token),
+                ..kwargs
             })
             .map_err(|e| ChatTemplateError(format!("rendering the chat template: {e:#}")))
     }
 }
+
+/// A request's extra template variables (vLLM's `chat_template_kwargs`).
+pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
+
+/// The variables the renderer sets itself: a kwarg of one of these names is refused, not
+/// silently shadowed.
+pub const RESERVED_TEMPLATE_VARIABLES: [&str; 5] =
+    ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token"];
 
 /// Python's `datetime.strftime`, as HF's `strftime_now` calls it; a format chrono does not know
 /// fails the render instead of panicking.
@@ -238,6 +253,19 @@ mod tests {
     }
 
     #[test]
+    fn chat_template_kwargs_reach_the_template_as_variables() {
+        let t = ChatTemplate::new(
+            "{% if enable_thinking is defined and not enable_thinking %}off{% else %}on{% endif %}",
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(t.render(&[], false).unwrap(), "on");
+        let off: TemplateKwargs = serde_json::from_str(r#"{"enable_thinking": false}"#).unwrap();
+        assert_eq!(t.render_with_tools(&[], false, None, Some(&off)).unwrap(), "off");
+    }
+
+    #[test]
     fn raise_exception_fails_the_render_with_the_templates_message() {
         let src = "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with user') }}{% endif %}ok";
         let t = ChatTemplate::new(src, None, None).unwrap();
@@ -278,7 +306,10 @@ mod tests {
         let call =
             serde_json::json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}});
         let msgs = [msg("user", "hi"), ChatMessage { tool_calls: vec![call], ..msg("assistant", "") }];
-        assert_eq!(t.render_with_tools(&msgs, false, Some(&tools)).unwrap(), "[f;]user:hi|assistant:<f {\"x\": 1}>|");
+        assert_eq!(
+            t.render_with_tools(&msgs, false, Some(&tools), None).unwrap(),
+            "[f;]user:hi|assistant:<f {\"x\": 1}>|"
+        );
         assert_eq!(t.render(&msgs[..1], false).unwrap(), "user:hi|", "no tools: the variable is undefined");
     }
 }

@@ -16,7 +16,7 @@ use std::{
 };
 
 use anyhow::Context;
-use bellows_common::chat_template::{ChatMessage, ChatTemplate};
+use bellows_common::chat_template::{ChatMessage, ChatTemplate, TemplateKwargs};
 
 use crate::tools::{self, Tools};
 use bellows_proto::worker::v1 as pb;
@@ -125,15 +125,20 @@ impl PromptTokenizer {
 
     /// Render the conversation with the chat template (ending with the assistant's turn) and
     /// tokenize it; the template writes any BOS itself. Tools reach the prompt as
-    /// [`tools::prompt`] decides.
-    pub fn encode_chat(&self, messages: &[ChatMessage], tools: Option<&Tools>) -> Result<Vec<u32>, TokenizeError> {
+    /// [`tools::prompt`] decides; `kwargs` are the request's extra template variables.
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Tools>,
+        kwargs: Option<&TemplateKwargs>,
+    ) -> Result<Vec<u32>, TokenizeError> {
         let renders_tools = self.template().is_some_and(ChatTemplate::renders_tools);
         let (messages, tools) = tools::prompt::conversation(messages, tools, renders_tools);
         let messages: &[ChatMessage] = &messages;
         match self {
             PromptTokenizer::Model { template: Some(t), tokenizer } => {
                 let text = t
-                    .render_with_tools(messages, true, tools.as_deref())
+                    .render_with_tools(messages, true, tools.as_deref(), kwargs)
                     .map_err(|e| TokenizeError::Template(e.to_string()))?;
                 encode(tokenizer, &text, false)
             }

@@ -29,6 +29,7 @@ struct Conversation {
     messages: Vec<ChatMessage>,
     tools: Option<Vec<serde_json::Value>>,
     add_generation_prompt: bool,
+    chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// One template on one conversation: the prompt, or the template's `raise_exception` message.
@@ -54,7 +55,7 @@ fn template(reference: &Reference, file: &str) -> ChatTemplate {
 #[test]
 fn published_chat_templates_render_every_conversation_as_hugging_face_does() {
     let reference: Reference = serde_json::from_str(include_str!("fixtures/chat_template_reference.json")).unwrap();
-    assert!(reference.renders.len() >= 60, "the fixture holds every template's renders");
+    assert!(reference.renders.len() >= 72, "the fixture holds every template's renders");
     let mut mismatches = Vec::new();
     for render in &reference.renders {
         let conv = reference.conversations.iter().find(|c| c.name == render.conversation).unwrap();
@@ -62,6 +63,7 @@ fn published_chat_templates_render_every_conversation_as_hugging_face_does() {
             &conv.messages,
             conv.add_generation_prompt,
             conv.tools.as_deref(),
+            conv.chat_template_kwargs.as_ref(),
         );
         let same = match (&ours, &render.prompt, &render.error) {
             (Ok(prompt), Some(want), None) => prompt == want,

@@ -19,7 +19,12 @@ use axum::{
         sse::{Event, KeepAlive, Sse},
     },
 };
-use bellows_common::{chat_template::ChatTemplate, prefix_hash::BlockHash, priority::Priority, telemetry};
+use bellows_common::{
+    chat_template::{ChatTemplate, TemplateKwargs},
+    prefix_hash::BlockHash,
+    priority::Priority,
+    telemetry,
+};
 use futures_util::{Stream, StreamExt, stream};
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -206,17 +211,22 @@ async fn tokenize_job(
 ) -> Result<Vec<Tokenized>, ApiError> {
     let input = std::mem::replace(&mut job.input, Input::Prompts(Vec::new()));
     let tools = job.tools.clone();
+    let kwargs = job.chat_template_kwargs.clone();
     let trace_text = state.trace_text;
     let span = tracing::info_span!("tokenize", bellows.prompt_tokens = Empty, bellows.prompt = Empty);
     let result = if needs_tokenizer(&input) {
         let (pool, cache_salt, in_pool) = (pool.clone(), cache_salt.clone(), span.clone());
         state
             .tokenizers
-            .run(move || in_pool.in_scope(|| tokenize(&pool, input, tools.as_ref(), cache_salt.as_deref(), trace_text)))
+            .run(move || {
+                in_pool.in_scope(|| {
+                    tokenize(&pool, input, tools.as_ref(), kwargs.as_ref(), cache_salt.as_deref(), trace_text)
+                })
+            })
             .await
             .map_err(|_| tokenizer_busy())??
     } else {
-        span.in_scope(|| tokenize(pool, input, tools.as_ref(), cache_salt.as_deref(), trace_text))?
+        span.in_scope(|| tokenize(pool, input, tools.as_ref(), kwargs.as_ref(), cache_salt.as_deref(), trace_text))?
     };
     span.record("bellows.prompt_tokens", result.iter().map(|t| t.tokens.len()).sum::<usize>());
     Ok(result)
@@ -420,6 +430,7 @@ fn tokenize(
     pool: &ModelPool,
     input: Input,
     tools: Option<&Tools>,
+    kwargs: Option<&TemplateKwargs>,
     cache_salt: Option<&str>,
     trace_text: bool,
 ) -> Result<Vec<Tokenized>, ApiError> {
@@ -431,7 +442,7 @@ fn tokenize(
         Span::current().record("bellows.prompt", text);
     }
     let prompts: Vec<Vec<u32>> = match input {
-        Input::Chat(messages) => vec![pool.tokenizer.encode_chat(&messages, tools)?],
+        Input::Chat(messages) => vec![pool.tokenizer.encode_chat(&messages, tools, kwargs)?],
         Input::Prompts(prompts) => prompts
             .into_iter()
             .map(|p| match p {

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use bellows_common::{
-    chat_template::ChatMessage,
+    chat_template::{ChatMessage, RESERVED_TEMPLATE_VARIABLES, TemplateKwargs},
     constraint::{Constraint, SchemaError},
     priority::Priority,
     sampling_limits::{self as limits, Range},
@@ -92,6 +92,8 @@ pub struct Job {
     pub tools: Option<Tools>,
     /// The class it asked for (`service_tier` or `priority`); `None`: the tenant's default.
     pub priority: Option<Priority>,
+    /// Chat only: extra variables for the chat template (vLLM's `chat_template_kwargs`).
+    pub chat_template_kwargs: Option<TemplateKwargs>,
 }
 
 impl Job {
@@ -146,6 +148,7 @@ struct RawRequest {
     guided_regex: Option<String>,
     guided_grammar: Option<String>,
     guided_choice: Option<Vec<String>>,
+    chat_template_kwargs: Option<TemplateKwargs>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -194,6 +197,7 @@ fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
     unsupported(raw.suffix.as_deref().is_some_and(|s| !s.is_empty()), "suffix", "'suffix' is not supported")?;
     let top_logprobs = top_logprobs(endpoint, raw.logprobs.take(), raw.top_logprobs)?;
     let tools = tools(&input, raw.tools.take(), raw.tool_choice.take(), raw.parallel_tool_calls)?;
+    let chat_template_kwargs = chat_template_kwargs(&input, raw.chat_template_kwargs.take())?;
     let structured = structured(
         raw.response_format.take(),
         raw.guided_json.take(),
@@ -228,7 +232,19 @@ fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
         user: raw.user,
         tools,
         priority,
+        chat_template_kwargs,
     })
+}
+
+/// Extra chat-template variables: for chat only, and never one the renderer sets itself.
+fn chat_template_kwargs(input: &Input, kwargs: Option<TemplateKwargs>) -> Result<Option<TemplateKwargs>, ApiError> {
+    const PARAM: &str = "chat_template_kwargs";
+    let Some(kwargs) = kwargs else { return Ok(None) };
+    unsupported(matches!(input, Input::Prompts(_)), PARAM, "'chat_template_kwargs' is for /v1/chat/completions")?;
+    if let Some(name) = kwargs.keys().find(|k| RESERVED_TEMPLATE_VARIABLES.contains(&k.as_str())) {
+        return Err(ApiError::invalid(PARAM, format!("'chat_template_kwargs' may not set '{name}'")));
+    }
+    Ok(Some(kwargs))
 }
 
 /// The class a request names: OpenAI's `service_tier` or vLLM's `priority` (both, only if
@@ -629,6 +645,20 @@ mod tests {
         check_structured(&s).expect("the alternation compiles");
         assert_eq!(param_of(with("[]").unwrap_err()).as_deref(), Some("guided_choice"));
         assert_eq!(param_of(with(r#""yes""#).unwrap_err()).as_deref(), Some("guided_choice"));
+    }
+
+    #[test]
+    fn chat_template_kwargs_are_for_chat_and_never_shadow_the_renderers_variables() {
+        let with =
+            |extra: &str| chat(&format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#));
+        let kwargs =
+            with(r#","chat_template_kwargs":{"enable_thinking":false}"#).unwrap().chat_template_kwargs.unwrap();
+        assert_eq!(kwargs["enable_thinking"], Value::Bool(false));
+        for bad in [r#","chat_template_kwargs":{"messages":[]}"#, r#","chat_template_kwargs":true"#] {
+            assert_eq!(param_of(with(bad).unwrap_err()).as_deref(), Some("chat_template_kwargs"), "{bad}");
+        }
+        let completion = parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","chat_template_kwargs":{}}"#);
+        assert_eq!(param_of(completion.unwrap_err()).as_deref(), Some("chat_template_kwargs"));
     }
 
     #[test]
