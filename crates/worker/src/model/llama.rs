@@ -6,9 +6,10 @@
 //! after attention and after the MLP (Gemma 3), a scaled embedding, the MLP's activation, biases
 //! on q/k/v (Qwen2, where the file has them), and sliding-window layers with their own rope base
 //! (Gemma 3: five local layers of 512 positions to each global one). Each family is checked
-//! against llama.cpp's greedy output on a file (`tests/engine_real_model.rs`: real weights for
-//! llama and Gemma 3; Qwen3 on a file of its shape made by `synth`, since no Qwen3 weights are in
-//! the package registries this project can reach).
+//! against llama.cpp on a file (`tests/engine_real_model.rs`): greedy tokens on real weights for
+//! llama and Gemma 3; logits along llama.cpp's greedy sequence for Qwen2 and Qwen3, on files of
+//! their shape made by `synth` (no Qwen3 weights are in the package registries this project can
+//! reach, and a real Qwen2 is too large for CI).
 //!
 //! Why our own forward rather than candle's stock models: those keep one KV cache per model and
 //! fail on batched prefill, so they cannot serve many sequences at once. Here every linear layer
@@ -472,16 +473,18 @@ impl LlamaModel {
                 &[p("attn_q.weight"), p("attn_k.weight"), p("attn_v.weight")],
                 &[p("attn_q.bias"), p("attn_k.bias"), p("attn_v.bias")],
             )?;
-            let qk_norms = match cfg.family.qk_norms() {
-                true => Some(QkNorms { q: l.f32(&p("attn_q_norm.weight"))?, k: l.f32(&p("attn_k_norm.weight"))? }),
-                false => None,
+            let qk_norms = if cfg.family.qk_norms() {
+                Some(QkNorms { q: l.f32(&p("attn_q_norm.weight"))?, k: l.f32(&p("attn_k_norm.weight"))? })
+            } else {
+                None
             };
-            let post_norms = match cfg.family.post_norms() {
-                true => Some(PostNorms {
+            let post_norms = if cfg.family.post_norms() {
+                Some(PostNorms {
                     attention: l.f32(&p("post_attention_norm.weight"))?,
                     ffn: l.f32(&p("post_ffw_norm.weight"))?,
-                }),
-                false => None,
+                })
+            } else {
+                None
             };
             let local = cfg.sliding.filter(|s| s.is_local(i));
             layers.push(Layer {
