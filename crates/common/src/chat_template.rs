@@ -7,8 +7,9 @@
 //! `.startswith()`, ...) through minijinja-contrib's pycompat, a `raise_exception` function, a
 //! `strftime_now` (Llama 3.2+ and SmolLM3 print today's date), a `tojson` that prints like
 //! Python's `json.dumps`, the variables `messages`, `add_generation_prompt`, `bos_token`,
-//! `eos_token`, and a request's `chat_template_kwargs` (Qwen3's `enable_thinking`). The template is compiled once, at load,
-//! so a template minijinja cannot parse fails the model load, not the first request.
+//! `eos_token`, and a request's `chat_template_kwargs` (Qwen3's `enable_thinking`). The template
+//! is compiled once, at load, so a template minijinja cannot parse fails the model load, not the
+//! first request.
 
 use minijinja::value::Kwargs;
 use minijinja::{AutoEscape, Environment, Error, ErrorKind, Value, context};
@@ -106,18 +107,19 @@ impl ChatTemplate {
         let template = self.env.get_template(NAME).map_err(|e| ChatTemplateError(format!("{e:#}")))?;
         // An absent special token is undefined in the template, as in HF (not the string "None").
         let token = |t: &Option<String>| t.as_deref().map_or(Value::UNDEFINED, Value::from);
-        let none = TemplateKwargs::new();
-        let kwargs = Value::from_serialize(kwargs.unwrap_or(&none));
-        template
-            .render(context! {
-                messages => messages,
-                tools => tools.map_or(Value::UNDEFINED, Value::from_serialize),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => token(&self.bos_token),
-                eos_token => token(&self.eos_token),
-                ..kwargs
-            })
-            .map_err(|e| ChatTemplateError(format!("rendering the chat template: {e:#}")))
+        let ctx = context! {
+            messages => messages,
+            tools => tools.map_or(Value::UNDEFINED, Value::from_serialize),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => token(&self.bos_token),
+            eos_token => token(&self.eos_token),
+        };
+        // Merged only when given: most requests carry none, and a merge builds a new map.
+        let ctx = match kwargs {
+            Some(kwargs) => context! { ..ctx, ..Value::from_serialize(kwargs) },
+            None => ctx,
+        };
+        template.render(ctx).map_err(|e| ChatTemplateError(format!("rendering the chat template: {e:#}")))
     }
 }
 
