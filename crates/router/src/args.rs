@@ -40,8 +40,9 @@ pub struct RouterArgs {
     #[arg(long, env = "BELLOWS_MAX_BODY_BYTES", default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
     /// Threads that serve HTTP and talk to workers, each with its own share of the connections
-    /// and its own stream to each worker [default: the number of CPUs]. One thread serves
-    /// thousands of requests a second: right for a small or shared machine (docs/BENCHMARKS.md).
+    /// and its own stream to each worker [default: the number of CPUs]. Connections fill the
+    /// threads in order (the next thread takes them once one is half busy), so a light load
+    /// runs on few threads. One thread serves thousands of requests a second (docs/BENCHMARKS.md).
     #[arg(long, env = "BELLOWS_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
     /// Threads that tokenize prompts (off the async runtime) [default: the number of CPUs].

@@ -169,7 +169,8 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     }
     let (stop, stopping) = watch::channel(false);
     let (listeners, acceptor) = shards.distribute(listener)?;
-    let app = api::router(state);
+    let shed = state.metrics.shed_connections.clone();
+    let app = shards.shedding(api::router(state), shed);
     let served: Vec<_> = (listeners.into_iter().enumerate())
         .map(|(shard, listener)| {
             let served = serve_shard(listener, app.clone(), http_tls.clone(), stopping.clone());

@@ -46,6 +46,11 @@ pub struct WorkerLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ShardLabels {
+    pub shard: usize,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ChangeLabels {
     pub change: &'static str,
 }
@@ -101,6 +106,11 @@ pub struct Metrics {
     pub prefix_index_trimmed: Counter,
     /// KV block events received from workers (snapshot entries included).
     pub kv_events: Counter,
+    /// Each router thread's busy share and HTTP connections (see `shards`), set at scrape time.
+    pub shard_busy: Family<ShardLabels, Gauge<f64, AtomicU64>>,
+    pub shard_connections: Family<ShardLabels, Gauge>,
+    /// Keep-alive connections a saturated thread closed so their clients reconnect elsewhere.
+    pub shed_connections: Counter,
     /// The cluster's queue and capacity by model, for autoscalers.
     pub queue: QueueGauges,
 }
@@ -212,85 +222,106 @@ impl Metrics {
             prefix_index_entries: Gauge::default(),
             prefix_index_trimmed: Counter::default(),
             kv_events: Counter::default(),
+            shard_busy: Family::default(),
+            shard_connections: Family::default(),
+            shed_connections: Counter::default(),
             queue: QueueGauges::default(),
             registry: Registry::default(),
         };
-        let r = &mut registry;
-        r.register("requests", "Requests answered, by endpoint, model and HTTP status", m.requests.clone());
-        r.register("refusals", "Requests refused before any worker ran them, by reason", m.refusals.clone());
-        r.register("retries", "Worker attempts retried on another worker before the first token", m.retries.clone());
-        r.register("migrations", "Streams moved to another worker after their worker failed", m.migrations.clone());
-        r.register("placements", "Placement decisions, by policy", m.placements.clone());
+        m.register_requests(&mut registry);
+        m.register_cluster(&mut registry);
+        m.queue.register(&mut registry);
+        usage.register(&mut registry);
+        Arc::new(Metrics { registry, ..m })
+    }
+
+    fn register_requests(&self, r: &mut Registry) {
+        r.register("requests", "Requests answered, by endpoint, model and HTTP status", self.requests.clone());
+        r.register("refusals", "Requests refused before any worker ran them, by reason", self.refusals.clone());
+        r.register("retries", "Worker attempts retried on another worker before the first token", self.retries.clone());
+        r.register("migrations", "Streams moved to another worker after their worker failed", self.migrations.clone());
+        r.register("placements", "Placement decisions, by policy", self.placements.clone());
         r.register(
             "placement_duration_seconds",
             "Time one placement decision took: score the candidates and choose one",
-            m.placement_duration.clone(),
+            self.placement_duration.clone(),
         );
-        r.register("prompt_tokens", "Prompt tokens of placed requests", m.prompt_tokens.clone());
+        r.register("prompt_tokens", "Prompt tokens of placed requests", self.prompt_tokens.clone());
         r.register(
             "predicted_cached_tokens",
             "Prompt tokens placement expected the chosen worker to have cached",
-            m.predicted_cached_tokens.clone(),
+            self.predicted_cached_tokens.clone(),
         );
-        r.register("cached_tokens", "Prompt tokens workers served from their prefix cache", m.cached_tokens.clone());
-        r.register("completion_tokens", "Tokens generated", m.completion_tokens.clone());
+        r.register("cached_tokens", "Prompt tokens workers served from their prefix cache", self.cached_tokens.clone());
+        r.register("completion_tokens", "Tokens generated", self.completion_tokens.clone());
         r.register(
             "time_to_first_token_seconds",
             "From the request's arrival to its first token",
-            m.time_to_first_token.clone(),
+            self.time_to_first_token.clone(),
         );
         r.register(
             "inter_token_latency_seconds",
             "Gaps between a streamed answer's token deliveries",
-            m.inter_token_latency.clone(),
+            self.inter_token_latency.clone(),
         );
-        r.register("request_duration_seconds", "From arrival to the last token", m.request_duration.clone());
-        r.register("queue_time_seconds", "From arrival until a worker accepted the request", m.queue_time.clone());
-        r.register("workers", "Worker links known (placeable or not)", m.workers.clone());
+        r.register("request_duration_seconds", "From arrival to the last token", self.request_duration.clone());
+        r.register("queue_time_seconds", "From arrival until a worker accepted the request", self.queue_time.clone());
+    }
+
+    fn register_cluster(&self, r: &mut Registry) {
+        r.register("workers", "Worker links known (placeable or not)", self.workers.clone());
         r.register(
             "placeable_workers",
             "Workers that can take work (load stream up, not draining)",
-            m.placeable_workers.clone(),
+            self.placeable_workers.clone(),
         );
         r.register(
             "worker_waiting_requests",
             "Requests waiting at each worker, as this router sees them",
-            m.worker_waiting.clone(),
+            self.worker_waiting.clone(),
         );
         r.register(
             "worker_running_requests",
             "Sequences running at each worker, as reported",
-            m.worker_running.clone(),
+            self.worker_running.clone(),
         );
-        r.register("membership_changes", "Workers joining and leaving", m.membership_changes.clone());
+        r.register("membership_changes", "Workers joining and leaving", self.membership_changes.clone());
         r.register(
             "worker_tls_failures",
             "Connection attempts to workers that failed TLS verification (such a worker gets no request)",
-            m.worker_tls_failures.clone(),
+            self.worker_tls_failures.clone(),
         );
         r.register(
             "prefix_index_entries",
             "Cached blocks this router believes each worker holds, summed over workers and models",
-            m.prefix_index_entries.clone(),
+            self.prefix_index_entries.clone(),
         );
         r.register(
             "prefix_index_trimmed",
             "Reported blocks the prefix index forgot to stay within its memory bound (least recently used first)",
-            m.prefix_index_trimmed.clone(),
+            self.prefix_index_trimmed.clone(),
         );
         r.register(
             "kv_events",
             "KV block events (stored, evicted, and snapshot entries) received from workers",
-            m.kv_events.clone(),
+            self.kv_events.clone(),
         );
         r.register(
             "session_buffered_messages",
             "Worker messages received on session streams and not yet taken by their requests (slow readers)",
-            m.session_buffered.clone(),
+            self.session_buffered.clone(),
         );
-        m.queue.register(r);
-        usage.register(r);
-        Arc::new(Metrics { registry, ..m })
+        r.register(
+            "shard_busy_ratio",
+            "Each router thread's busy share over the last 100 ms (new connections go to the first under 0.5)",
+            self.shard_busy.clone(),
+        );
+        r.register("shard_connections", "HTTP connections each router thread serves", self.shard_connections.clone());
+        r.register(
+            "shed_connections",
+            "Keep-alive connections closed by a saturated router thread so that their clients reconnect to a calmer one",
+            self.shed_connections.clone(),
+        );
     }
 
     pub fn encode(&self) -> String {

@@ -167,8 +167,19 @@ struct StreamOptions {
 /// Parse and validate a body. Model-dependent checks (token ids within the vocabulary, context
 /// length) come later, once the model is known.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Job, ApiError> {
+    // The plain parse is the fast path; a body it refuses is parsed again, tracking the path,
+    // for the error's `param` (and taken if that parse accepts it: trailing bytes after the
+    // object are tolerated, as they always were).
+    let raw = match serde_json::from_slice::<RawRequest>(body) {
+        Ok(raw) => raw,
+        Err(_) => parse_tracking_path(body)?,
+    };
+    validate(endpoint, raw)
+}
+
+fn parse_tracking_path(body: &[u8]) -> Result<RawRequest, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
-    let raw: RawRequest = serde_path_to_error::deserialize(de).map_err(|e| {
+    serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if inner.is_syntax() || inner.is_eof() {
@@ -184,8 +195,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Job, ApiError> {
                 param: Some(path),
             }
         }
-    })?;
-    validate(endpoint, raw)
+    })
 }
 
 fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {

@@ -7,12 +7,11 @@ use std::{net::SocketAddr, pin::Pin};
 use axum::serve::Listener;
 use bellows_common::tls::HttpTls;
 use futures_util::{Stream, StreamExt, stream};
-use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
 
-use crate::shards::ShardListener;
+use crate::shards::{ShardListener, ShardStream};
 
-type Accepted = Pin<Box<dyn Stream<Item = (TlsStream<TcpStream>, SocketAddr)> + Send>>;
+type Accepted = Pin<Box<dyn Stream<Item = (TlsStream<ShardStream>, SocketAddr)> + Send>>;
 
 pub struct TlsListener {
     accepted: Accepted,
@@ -28,7 +27,7 @@ impl TlsListener {
 }
 
 impl Listener for TlsListener {
-    type Io = TlsStream<TcpStream>;
+    type Io = TlsStream<ShardStream>;
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {

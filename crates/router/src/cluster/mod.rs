@@ -27,7 +27,7 @@ use bellows_common::{priority::Priority, tls::ClusterTls};
 use bellows_proto::worker::v1 as pb;
 
 use crate::{
-    metrics::{ChangeLabels, Metrics, ModelLabels, PriorityLabels, WorkerLabels},
+    metrics::{ChangeLabels, Metrics, ModelLabels, PriorityLabels, ShardLabels, WorkerLabels},
     shards::Shards,
 };
 
@@ -200,6 +200,11 @@ impl Cluster {
         let entries: usize = models.iter().map(|p| p.index.lock().expect("prefix index lock").entries()).sum();
         self.metrics.prefix_index_entries.set(entries as i64);
         self.export_queue(&models);
+        for shard in 0..self.shards.count() {
+            let labels = ShardLabels { shard };
+            self.metrics.shard_busy.get_or_create(&labels).set(self.shards.busy(shard));
+            self.metrics.shard_connections.get_or_create(&labels).set(self.shards.connections(shard) as i64);
+        }
     }
 
     /// Each model's queue and capacity, summed over its placeable workers (at scrape time, so a
