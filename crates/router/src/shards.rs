@@ -292,11 +292,10 @@ type Accepted = (std::net::TcpStream, SocketAddr, OpenConnection);
 impl Acceptor {
     /// Streamed tokens are small writes: without TCP_NODELAY each waits for the client's
     /// delayed ACK (40 ms on Linux). A connection is moved to its shard as a std socket, which
-    /// the shard registers with its own reactor. With one shard nothing is measured.
+    /// the shard registers with its own reactor.
     async fn run(mut self) {
         let mut tick = tokio::time::interval(SAMPLE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let measured = self.shards.len() > 1;
         loop {
             tokio::select! {
                 // axum's accept waits out errors such as too many open files.
@@ -305,7 +304,7 @@ impl Acceptor {
                         return;
                     }
                 }
-                _ = tick.tick(), if measured => self.rebalance(),
+                _ = tick.tick() => self.rebalance(),
             }
         }
     }
@@ -320,6 +319,7 @@ impl Acceptor {
         self.shards[shard].send((std, addr, open)).is_ok()
     }
 
+    /// One sample: each shard's busy share, and how many connections it sheds until the next.
     fn rebalance(&mut self) {
         self.meter.sample(&self.loads);
         let busy: Vec<f64> = self.loads.iter().map(ShardLoad::busy).collect();
