@@ -242,17 +242,19 @@ impl BusyMeter {
         BusyMeter { handles: handles.to_vec(), busy: handles.iter().map(busy_time).collect(), at: Instant::now() }
     }
 
-    /// Each shard's busy share since the last call, written to `loads`.
-    fn sample(&mut self, loads: &[ShardLoad]) {
+    /// Each shard's busy share since the last call, written to `loads` and returned.
+    fn sample(&mut self, loads: &[ShardLoad]) -> Vec<f64> {
         let now = Instant::now();
         let wall = now.duration_since(self.at).as_secs_f64().max(1e-6);
         self.at = now;
-        for ((handle, last), load) in self.handles.iter().zip(&mut self.busy).zip(loads) {
+        let shares = self.handles.iter().zip(&mut self.busy).zip(loads).map(|((handle, last), load)| {
             let busy = busy_time(handle);
             let share = (busy.saturating_sub(*last).as_secs_f64() / wall).min(1.0);
             *last = busy;
             load.busy_permille.store((share * 1000.0).round() as u32, Relaxed);
-        }
+            share
+        });
+        shares.collect()
     }
 }
 
@@ -321,8 +323,7 @@ impl Acceptor {
 
     /// One sample: each shard's busy share, and how many connections it sheds until the next.
     fn rebalance(&mut self) {
-        self.meter.sample(&self.loads);
-        let busy: Vec<f64> = self.loads.iter().map(ShardLoad::busy).collect();
+        let busy = self.meter.sample(&self.loads);
         let open: Vec<usize> = self.loads.iter().map(|l| l.open.load(Relaxed)).collect();
         for (load, shed) in self.loads.iter().zip(to_shed(&busy, &open)) {
             load.shed.store(shed, Relaxed);
@@ -386,7 +387,8 @@ pub struct ShardStream {
 }
 
 impl ShardStream {
-    pub fn nodelay(&self) -> io::Result<bool> {
+    #[cfg(test)]
+    fn nodelay(&self) -> io::Result<bool> {
         self.tcp.nodelay()
     }
 }
@@ -463,6 +465,15 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let (mut listeners, _acceptor) = shards.distribute(listener).unwrap();
         let _clients: Vec<_> = futures_util::future::join_all((0..3).map(|_| TcpStream::connect(addr))).await;
+        // Counted as the acceptor hands them over: a connection sent elsewhere fails here
+        // instead of leaving the accepts below waiting.
+        within(async {
+            while (0..3).map(|s| shards.connections(s)).sum::<usize>() < 3 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        assert_eq!(shards.loads[0].open.load(Relaxed), 3);
         let mut served = Vec::new();
         for _ in 0..3 {
             let (tcp, _) = axum::serve::Listener::accept(&mut listeners[0]).await;
@@ -472,6 +483,11 @@ mod tests {
         assert_eq!(shards.loads[0].open.load(Relaxed), 3);
         drop(served);
         assert_eq!(shards.loads[0].open.load(Relaxed), 0, "a closed connection is no longer counted");
+    }
+
+    /// `future`'s output; a broken behaviour fails the test here instead of hanging it.
+    async fn within<T>(future: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(10), future).await.expect("not within 10 s")
     }
 
     /// Serves, on every shard, the index of the shard that answered.
@@ -526,14 +542,17 @@ mod tests {
                 tokio::task::yield_now().await;
             }
         });
-        while shards.loads[0].shed.load(Relaxed) == 0 {
-            tokio::task::yield_now().await;
-        }
+        within(async {
+            while shards.loads[0].shed.load(Relaxed) == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
         assert!(shards.busy(0) > SHED_ABOVE && shards.busy(1) < FILL_BELOW);
         let (head, body) = get(&mut first).await;
         assert_eq!(body, "0");
         assert!(head.contains("connection: close"), "{head}");
-        assert_eq!(first.read(&mut [0u8; 1]).await.unwrap(), 0, "the server closed it after the response");
+        assert_eq!(within(first.read(&mut [0u8; 1])).await.unwrap(), 0, "the server closed it after the response");
         assert_eq!(shed.get(), 1);
         let mut again = TcpStream::connect(addr).await.unwrap();
         assert_eq!(get(&mut again).await.1, "1", "the new connection is served by the calm shard");
