@@ -71,12 +71,14 @@ pub enum ChoiceEvent {
         index: u32,
     },
     /// Text and the number of tokens it took (text may lag its tokens, or come without any),
-    /// with one logprobs entry per token when the request asked for them.
+    /// with one logprobs entry per token when the request asked for them. With an attempt's
+    /// first token, how long the worker held it (a whole answer's first token waits for more).
     Text {
         index: u32,
         text: String,
         tokens: u32,
         logprobs: Vec<pb::TokenLogprobs>,
+        first_token_held: Duration,
     },
     Done {
         index: u32,
@@ -89,9 +91,10 @@ pub enum ChoiceEvent {
     },
 }
 
-/// How long a worker may hold tokens of an answer the client gets whole, to send them in fewer
-/// messages: each message costs both sides a frame, a wake-up and a copy. A migration re-does
-/// at most this much of the answer, unseen by the client.
+/// How long a worker may hold tokens of an answer the client gets whole, its first included, to
+/// send them in fewer messages: each message costs both sides a frame, a wake-up and a copy (a
+/// short answer comes in one Delta beside its Finished). A migration re-does at most this much
+/// of the answer, unseen by the client.
 const WHOLE_ANSWER_DELTA_INTERVAL_MS: u32 = 200;
 
 /// One choice to generate.
@@ -334,6 +337,7 @@ impl Dispatcher {
             ignore_eos: params.ignore_eos,
             cache_salt: choice.cache_salt.clone(),
             delta_interval_ms: if choice.stream { 0 } else { WHOLE_ANSWER_DELTA_INTERVAL_MS },
+            hold_first_token: !choice.stream,
             resumed_tokens: generated.len() as u32,
             // Sent again on a migration: the new worker replays the resumed tokens through it.
             constraint: params.structured.as_ref().map(|s| constraint_frame(&s.constraint)),
@@ -396,7 +400,9 @@ async fn relay(index: u32, delta: pb::Delta, progress: &mut Progress, tx: &mpsc:
     if delta.text.is_empty() && tokens == 0 {
         return true;
     }
-    tx.send(ChoiceEvent::Text { index, text: delta.text, tokens, logprobs: delta.logprobs }).await.is_ok()
+    let first_token_held = Duration::from_micros(delta.first_token_held_us);
+    let text = ChoiceEvent::Text { index, text: delta.text, tokens, logprobs: delta.logprobs, first_token_held };
+    tx.send(text).await.is_ok()
 }
 
 /// The choice's usage: its own prompt (not a migration's), every token generated, and the

@@ -89,7 +89,7 @@ async fn generate_over_grpc_gives_the_engines_own_greedy_tokens_and_model_info_t
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_delta_interval_batches_tokens_after_the_first_without_changing_them() {
+async fn a_delta_interval_batches_tokens_without_changing_them_and_holds_the_first_only_when_asked() {
     // 5 ms steps: 40 tokens take about 200 ms, well inside one 30 s hold.
     let node = start_node(&sim(r#"{"base_us": 5000}"#)).await;
     let mut client = node.client().await;
@@ -111,14 +111,28 @@ async fn a_delta_interval_batches_tokens_after_the_first_without_changing_them()
     let each = messages(client.generate(greedy((1..=20).collect(), 40)).await.unwrap().into_inner()).await;
     let held = pb::GenerateRequest { delta_interval_ms: 30_000, ..greedy((1..=20).collect(), 40) };
     let held = messages(client.generate(held).await.unwrap().into_inner()).await;
+    let all =
+        pb::GenerateRequest { delta_interval_ms: 30_000, hold_first_token: true, ..greedy((1..=20).collect(), 40) };
+    let started = std::time::Instant::now();
+    let all = messages(client.generate(all).await.unwrap().into_inner()).await;
+    let took = started.elapsed();
 
     assert_eq!(tokens(&held), tokens(&each), "the same tokens either way");
+    assert_eq!(tokens(&all), tokens(&each), "the same tokens either way");
     assert!(each.len() > 10, "without a hold, tokens go out step by step ({} messages)", each.len());
     // The first tokens go out at once; the rest wait for Finished, which flushes them.
     assert_eq!(held.len(), 3, "{held:?}");
     assert!(matches!(&held[0], pb::generate_response::Kind::Delta(d) if !d.token_ids.is_empty()));
     assert!(matches!(&held[1], pb::generate_response::Kind::Delta(_)));
     assert!(matches!(&held[2], pb::generate_response::Kind::Finished(_)));
+    // Holding the first token too: one Delta beside Finished, saying how long its first token
+    // waited (39 more steps of at least 5 ms came after it, and the whole call took `took`).
+    assert_eq!(all.len(), 2, "{all:?}");
+    let pb::generate_response::Kind::Delta(d) = &all[0] else { panic!("a Delta first: {all:?}") };
+    assert_eq!(d.token_ids.len(), 40);
+    let held_for = Duration::from_micros(d.first_token_held_us);
+    assert!(held_for > Duration::ZERO && held_for < took, "held {held_for:?} of a {took:?} call");
+    assert!(matches!(&all[1], pb::generate_response::Kind::Finished(_)));
 }
 
 #[tokio::test(flavor = "multi_thread")]

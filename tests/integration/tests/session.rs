@@ -174,3 +174,29 @@ async fn each_router_thread_opens_a_session_of_its_own_and_a_dead_routers_sessio
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_whole_answers_time_to_first_token_leaves_out_the_time_its_worker_held_the_token() {
+    // 40 steps of 10 ms: the worker holds the first token until the 200 ms hold runs out, so
+    // counting the hold would put the first token past 210 ms; without it, about 10 ms.
+    let worker = Worker::start(&sim(r#"{"base_us": 10000, "per_token_us": 0, "per_sequence_us": 0}"#)).await;
+    let router = Router::with_workers(&[&worker], &[] as &[&str]).await;
+    let sums = || async {
+        let metric = |name: &'static str| router.metric(name);
+        [
+            metric("bellows_router_time_to_first_token_seconds_count").await,
+            metric("bellows_router_time_to_first_token_seconds_sum").await,
+            metric("bellows_router_request_duration_seconds_sum").await,
+        ]
+    };
+    let before = sums().await;
+    let body = json!({"model": "sim", "prompt": [5, 6], "max_tokens": 40, "ignore_eos": true});
+    let choices = router.choices("/v1/completions", &body).await;
+    assert_eq!(choices[0].0.split_whitespace().count(), 40, "{choices:?}");
+    let after = sums().await;
+
+    let (count, ttft, whole) = (after[0] - before[0], after[1] - before[1], after[2] - before[2]);
+    assert_eq!(count, 1.0, "one first token observed");
+    assert!(whole > 0.3, "the answer outlasted the hold: {whole:.3} s");
+    assert!(ttft > 0.0 && ttft < 0.11, "time to first token {ttft:.3} s of a {whole:.3} s answer");
+}

@@ -552,7 +552,8 @@ struct Accounting {
 #[derive(Default)]
 struct Timing {
     /// The client reads tokens as they arrive, so the gaps between them are inter-token latency.
-    /// A whole answer's tokens come in batches (see `delta_interval_ms`): only its first counts.
+    /// A whole answer's tokens come in batches (see `delta_interval_ms`): only its first counts,
+    /// less the time the worker held it.
     streamed: bool,
     /// A worker has accepted the request (its queue time is observed).
     started: bool,
@@ -573,11 +574,14 @@ impl Reply {
                     self.latencies.queue_time.observe((now - self.arrived).as_secs_f64());
                 }
             }
-            ChoiceEvent::Text { tokens, .. } => {
+            ChoiceEvent::Text { tokens, first_token_held, .. } => {
                 self.accounting.limits.charge_completion(u64::from(*tokens));
                 self.accounting.usage.completion(u64::from(*tokens));
                 match timing.last {
-                    None => self.latencies.time_to_first_token.observe((now - self.arrived).as_secs_f64()),
+                    None => {
+                        let ttft = (now - self.arrived).saturating_sub(*first_token_held);
+                        self.latencies.time_to_first_token.observe(ttft.as_secs_f64())
+                    }
                     Some(last) if timing.streamed => {
                         self.latencies.inter_token_latency.observe((now - last).as_secs_f64())
                     }

@@ -94,7 +94,10 @@ impl WorkerService {
         } else {
             req.request_id.clone()
         };
-        let hold = (req.delta_interval_ms > 0).then(|| Duration::from_millis(u64::from(req.delta_interval_ms)));
+        let hold = (req.delta_interval_ms > 0).then(|| Hold {
+            interval: Duration::from_millis(u64::from(req.delta_interval_ms)),
+            first_token: req.hold_first_token,
+        });
         let engine_req =
             engine_request(req).inspect_err(|e| tracing::debug!(request_id = %id, error = %e, "refused"))?;
         let prompt_text = self.0.log_prompts.then(|| match &ready.tokenizer {
@@ -302,8 +305,8 @@ pub struct GenerateStream {
     out: VecDeque<Result<pb::GenerateResponse, Status>>,
     /// The engine's last event for this request has been taken.
     done: bool,
-    /// `delta_interval_ms`: how long a Delta after the first may wait for more tokens.
-    hold: Option<Duration>,
+    /// `delta_interval_ms` and `hold_first_token`: which Deltas may wait for more tokens.
+    hold: Option<Hold>,
     /// When the Delta being held must go out.
     flush: Option<Pin<Box<tokio::time::Sleep>>>,
     /// A Delta went out: later ones may be held.
@@ -317,6 +320,13 @@ pub struct GenerateStream {
     span: tracing::Span,
     phase: Option<tracing::Span>,
     _in_flight: InFlight,
+}
+
+/// Which Deltas may wait for more tokens, and for how long (see the request's fields).
+#[derive(Clone, Copy)]
+struct Hold {
+    interval: Duration,
+    first_token: bool,
 }
 
 impl GenerateStream {
@@ -422,23 +432,29 @@ impl Stream for GenerateStream {
                 Poll::Ready(Some(ev)) => this.absorb(ev),
             }
         }
-        // A lone Delta after the first may wait, up to `hold`, for the next steps' tokens.
+        // A lone Delta after the first (or the first too) may wait, up to the hold's interval,
+        // for the next steps' tokens.
         let lone_delta = this.out.len() == 1
             && matches!(this.out.front(), Some(Ok(pb::GenerateResponse { kind: Some(Kind::Delta(_)) })));
         if let Some(hold) = this.hold
             && lone_delta
             && !this.done
-            && this.delta_sent
+            && (this.delta_sent || hold.first_token)
         {
-            let flush = this.flush.get_or_insert_with(|| Box::pin(tokio::time::sleep(hold)));
+            let flush = this.flush.get_or_insert_with(|| Box::pin(tokio::time::sleep(hold.interval)));
             if flush.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
         }
         match this.out.pop_front() {
-            Some(message) => {
+            Some(mut message) => {
                 this.flush = None;
-                this.delta_sent |= matches!(message, Ok(pb::GenerateResponse { kind: Some(Kind::Delta(_)) }));
+                if let Ok(pb::GenerateResponse { kind: Some(Kind::Delta(d)) }) = &mut message
+                    && !this.delta_sent
+                {
+                    this.delta_sent = true;
+                    d.first_token_held_us = this.log.first_token.map_or(0, |t| t.elapsed().as_micros() as u64);
+                }
                 Poll::Ready(Some(message))
             }
             None if this.done => Poll::Ready(None),
