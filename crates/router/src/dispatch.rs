@@ -93,8 +93,9 @@ pub enum ChoiceEvent {
 
 /// How long a worker may hold tokens of an answer the client gets whole, its first included, to
 /// send them in fewer messages: each message costs both sides a frame, a wake-up and a copy (a
-/// short answer comes in one Delta beside its Finished). A migration re-does at most this much
-/// of the answer, unseen by the client.
+/// short answer comes in one Delta beside its Finished). A worker that fails costs at most this
+/// much of the answer, unseen by the client: re-done by a migration, or by a retry if no token
+/// had come yet.
 const WHOLE_ANSWER_DELTA_INTERVAL_MS: u32 = 200;
 
 /// One choice to generate.
