@@ -3,7 +3,8 @@
 //! conversation against prefilling only the new tokens, and inter-token latency of
 //! running streams while a long prompt arrives, chunked against unchunked, and decode under a JSON
 //! Schema against unconstrained decode in the same run (with the mask time per token); and the
-//! matmul and attention kernels alone. Prints one JSON object.
+//! matmul and attention kernels alone, and the machine's own ceilings ([`peak`]). Prints one JSON
+//! object.
 //!
 //! Timestamps are taken where a client would see them: when each event leaves the engine's
 //! channel. Numbers are only comparable within one run on a quiet machine.
@@ -21,6 +22,8 @@ use serde_json::{Value, json};
 
 use bellows_common::constraint::Constraint;
 
+mod peak;
+
 use crate::{
     constraint::GrammarCompiler,
     engine::{Engine, EngineConfig, EngineHandle},
@@ -35,8 +38,8 @@ use crate::{
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Which benchmarks: all, decode, batch, ttft, multiturn, itl, constrained, matmul, attention
-    /// (comma-separated).
+    /// Which benchmarks: all, decode, batch, ttft, multiturn, itl, constrained, matmul, attention,
+    /// peak (comma-separated).
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// Tokens per stream for the decode benchmarks.
@@ -200,6 +203,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if want("attention") {
         out["attention"] = bench_attention();
         eprintln!("attention: {}", out["attention"]);
+    }
+    if want("peak") {
+        out["peak"] = peak::run();
+        eprintln!("peak: {}", out["peak"]);
     }
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())

@@ -4,12 +4,14 @@
 //! in: that fixed order is what makes a request's output independent of chunk size and of its
 //! batch neighbours (bit-exact, not merely close). Work is split across threads by (tile of a
 //! row's tokens, KV head), which changes who computes a value, never the order of its sums. The kernels below
-//! compute several positions, columns, heads or rows' sums at once for speed (two heads of a KV
-//! group share each key and value load; the value tiles take AVX-512 registers where the CPU has
+//! compute several positions, columns, heads or rows' sums at once for speed (up to three heads
+//! of a KV group share each key and value load; the value tiles take AVX-512 registers where the CPU has
 //! them, chosen at run time), and each is tested to give the very bits of the plain
 //! one-at-a-time loop. Tried and measured slower on a Xeon: the exponential and the key dot
 //! products in AVX-512 (see docs/BENCHMARKS.md); a half-precision cache (it moved greedy tokens
 //! away from llama.cpp's in the tests).
+
+use std::array::from_fn;
 
 use super::BatchRow;
 
@@ -296,7 +298,7 @@ fn softmax_rows(scores: &mut [f32], n: usize, range: impl Fn(usize) -> (usize, u
         let hi = group.clone().map(|r| range(r).1).max().unwrap_or(0);
         // Each of the group's rows over lo..hi; past the last row, the first again (its sum
         // unused), so every lane has a row.
-        let row: [&[f32]; SUM_ROWS] = std::array::from_fn(|i| {
+        let row: [&[f32]; SUM_ROWS] = from_fn(|i| {
             let r = if first + i < group.end { first + i } else { first };
             &scores[r * n + lo..r * n + hi]
         });
@@ -389,10 +391,10 @@ unsafe fn qk_run_fma<const R: usize>(
         let half = |v: __m256| _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let scale = _mm_set1_ps(scale);
         for s in (0..n).step_by(DOT_BATCH) {
-            let k: [*const f32; DOT_BATCH] = std::array::from_fn(|j| keys.add((s + j).min(n - 1) * stride));
+            let k: [*const f32; DOT_BATCH] = from_fn(|j| keys.add((s + j).min(n - 1) * stride));
             let mut a = [[_mm256_setzero_ps(); DOT_BATCH]; R];
             for i in (0..hd).step_by(LANES) {
-                let x: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(q[r].add(i)));
+                let x: [__m256; R] = from_fn(|r| _mm256_loadu_ps(q[r].add(i)));
                 for j in 0..DOT_BATCH {
                     let y = _mm256_loadu_ps(k[j].add(i));
                     for r in 0..R {
@@ -432,7 +434,7 @@ fn weighted_run<const R: usize>(weights: [&[f32]; R], values: &[f32], off: usize
         }
         #[cfg(target_arch = "x86_64")]
         if avx512() {
-            let tiles = std::array::from_fn(|r| &raw mut out[r].0[t]);
+            let tiles = from_fn(|r| &raw mut out[r].0[t]);
             // SAFETY: AVX-512F is present (checked at run time); every row read lies inside
             // `values` (asserted above); the tiles are of different outputs.
             unsafe { weighted_tile_avx512(weights, values.as_ptr().add(base), stride, tiles) };
@@ -492,10 +494,10 @@ unsafe fn weighted_tile_avx512<const R: usize>(
     // caller's contract.
     unsafe {
         let mut acc: [[__m512; TILE / W]; R] =
-            std::array::from_fn(|r| std::array::from_fn(|c| _mm512_loadu_ps(tiles[r].cast::<f32>().add(c * W))));
+            from_fn(|r| from_fn(|c| _mm512_loadu_ps(tiles[r].cast::<f32>().add(c * W))));
         for s in 0..weights[0].len() {
             let v = values.add(s * stride);
-            let vs: [__m512; TILE / W] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(c * W)));
+            let vs: [__m512; TILE / W] = from_fn(|c| _mm512_loadu_ps(v.add(c * W)));
             for r in 0..R {
                 let w = _mm512_set1_ps(*weights[r].get_unchecked(s));
                 for c in 0..TILE / W {
@@ -509,6 +511,30 @@ unsafe fn weighted_tile_avx512<const R: usize>(
             }
         }
     }
+}
+
+/// A KV group's heads as runs `(first head, heads)` that the kernels serve together, sharing each
+/// key and value load: threes, and pairs where a three would leave a head alone (4 = 2 + 2); a
+/// lone head only in a group of one. (A lone head's kernel has half a pair's independent chains
+/// and waits on their latency: with SmolLM2's groups of three, the third head was one.)
+fn head_runs(group: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut first = 0;
+    std::iter::from_fn(move || {
+        let n = match group - first {
+            0 => return None,
+            4 => 2,
+            left @ (1 | 2) => left,
+            _ => 3,
+        };
+        first += n;
+        Some((first - n, n))
+    })
+}
+
+/// `R` consecutive rows of `n` floats from `run`, each cut to `cols`.
+fn rows_mut<const R: usize>(run: &mut [f32], n: usize, cols: std::ops::Range<usize>) -> [&mut [f32]; R] {
+    let mut rows = run.chunks_mut(n);
+    from_fn(|_| &mut rows.next().expect("a row for each head")[cols.clone()])
 }
 
 /// The output of a step, written by many tasks at once, each to its own places.
@@ -606,16 +632,20 @@ pub fn paged_attention(
                 }
                 let qv = |h: usize| &q[(t0 + j) * q_row + (g * group + h) * hd..][..hd];
                 let keys = off + first * kv_row;
-                // The group's heads of token j, two at a time: they read the same keys.
+                let cols = p + first..p + first + count;
+                // The group's heads of token j in runs that read the same keys.
                 let heads = &mut scores[j * group * n_max..(j + 1) * group * n_max];
-                for (i, two) in heads.chunks_mut(2 * n_max).enumerate() {
-                    let h = 2 * i;
-                    if two.len() == 2 * n_max {
-                        let (a, b) = two.split_at_mut(n_max);
-                        let out = [&mut a[p + first..][..count], &mut b[p + first..][..count]];
-                        qk_run([qv(h), qv(h + 1)], &kv.k, keys, kv_row, scale, out);
-                    } else {
-                        qk_run([qv(h)], &kv.k, keys, kv_row, scale, [&mut two[p + first..][..count]]);
+                for (h, n) in head_runs(group) {
+                    let run = &mut heads[h * n_max..(h + n) * n_max];
+                    let cols = cols.clone();
+                    match n {
+                        3 => {
+                            qk_run::<3>(from_fn(|i| qv(h + i)), &kv.k, keys, kv_row, scale, rows_mut(run, n_max, cols))
+                        }
+                        2 => {
+                            qk_run::<2>(from_fn(|i| qv(h + i)), &kv.k, keys, kv_row, scale, rows_mut(run, n_max, cols))
+                        }
+                        _ => qk_run::<1>([qv(h)], &kv.k, keys, kv_row, scale, rows_mut(run, n_max, cols)),
                     }
                 }
             }
@@ -631,14 +661,13 @@ pub fn paged_attention(
                 let o = |h: usize| unsafe { shared.slice((t0 + j) * q_row + (g * group + h) * hd, hd) };
                 let w = |h: usize| &scores[(j * group + h) * n_max + p + first..][..count];
                 let values = off + first * kv_row;
-                // Two heads at a time, as for the scores.
-                let mut h = 0;
-                while h + 1 < group {
-                    weighted_run([w(h), w(h + 1)], &kv.v, values, kv_row, [o(h), o(h + 1)]);
-                    h += 2;
-                }
-                if h < group {
-                    weighted_run([w(h)], &kv.v, values, kv_row, [o(h)]);
+                // The same runs of heads as for the scores.
+                for (h, n) in head_runs(group) {
+                    match n {
+                        3 => weighted_run::<3>(from_fn(|i| w(h + i)), &kv.v, values, kv_row, from_fn(|i| o(h + i))),
+                        2 => weighted_run::<2>(from_fn(|i| w(h + i)), &kv.v, values, kv_row, from_fn(|i| o(h + i))),
+                        _ => weighted_run::<1>([w(h)], &kv.v, values, kv_row, [o(h)]),
+                    }
                 }
             }
         }
@@ -702,7 +731,7 @@ mod tests {
     }
 
     #[test]
-    fn paged_kernels_sum_every_position_in_order_across_scattered_blocks_paired_or_alone() {
+    fn paged_kernels_sum_every_position_in_order_across_scattered_blocks_in_runs_of_heads_or_alone() {
         use crate::kv_cache::BlockId;
         // 72 and 128: the vector kernel; 67: the plain one, for head sizes that are no multiple of 8.
         for hd in [72, 128, 67] {
@@ -716,32 +745,40 @@ mod tests {
                 let off = slot_offset(&blocks, block_size, p, stride) + g * hd;
                 &store[off..off + hd]
             };
-            // Two queries of one KV group, as the engine pairs them, and each alone.
-            let queries = [wave(hd, 0.29), wave(hd, 0.47)];
-            let (mut scores, mut alone) = ([vec![0.0; n], vec![0.0; n]], [vec![0.0; n], vec![0.0; n]]);
+            // Three queries of one KV group, as the engine runs them, then two, then each alone.
+            let queries = [wave(hd, 0.29), wave(hd, 0.47), wave(hd, 0.61)];
+            let zeros = || [vec![0.0; n], vec![0.0; n], vec![0.0; n]];
+            let (mut three, mut two, mut alone) = (zeros(), zeros(), zeros());
             for (p, off, len) in paged.runs(n) {
-                let [a, b] = &mut scores;
-                qk_run([&queries[0], &queries[1]], &store, off, stride, 0.5, [&mut a[p..p + len], &mut b[p..p + len]]);
-                for (q, s) in queries.iter().zip(&mut alone) {
+                let q: [&[f32]; 3] = queries.each_ref().map(|q| q.as_slice());
+                qk_run(q, &store, off, stride, 0.5, three.each_mut().map(|s| &mut s[p..p + len]));
+                let [a, b, _] = &mut two;
+                qk_run([q[0], q[1]], &store, off, stride, 0.5, [&mut a[p..p + len], &mut b[p..p + len]]);
+                for (q, s) in q.iter().zip(&mut alone) {
                     qk_run([q], &store, off, stride, 0.5, [&mut s[p..p + len]]);
                 }
             }
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            for (q, s) in queries.iter().zip(&scores) {
+            for (q, s) in queries.iter().zip(&three) {
                 for (p, s) in s.iter().enumerate() {
                     assert_eq!(s.to_bits(), (dot(q, row(p)) * 0.5).to_bits(), "score of position {p}");
                 }
             }
-            assert_eq!(scores.each_ref().map(|s| bits(s)), alone.each_ref().map(|s| bits(s)), "paired scores as alone");
-            let (mut out, mut out_alone) = ([vec![0.0; hd], vec![0.0; hd]], [vec![0.0; hd], vec![0.0; hd]]);
+            let all_bits = |s: &[Vec<f32>; 3]| s.each_ref().map(|s| bits(s));
+            assert_eq!(all_bits(&three), all_bits(&alone), "three heads' scores as alone");
+            assert_eq!(all_bits(&two)[..2], all_bits(&alone)[..2], "paired scores as alone");
+            let zeros = || [vec![0.0; hd], vec![0.0; hd], vec![0.0; hd]];
+            let (mut out, mut out_two, mut out_alone) = (zeros(), zeros(), zeros());
             for (p, off, len) in paged.runs(n) {
-                let [a, b] = &mut out;
-                weighted_run([&scores[0][p..p + len], &scores[1][p..p + len]], &store, off, stride, [a, b]);
-                for (s, o) in scores.iter().zip(&mut out_alone) {
-                    weighted_run([&s[p..p + len]], &store, off, stride, [o]);
+                let w = three.each_ref().map(|s| &s[p..p + len]);
+                weighted_run(w, &store, off, stride, out.each_mut().map(|o| o.as_mut_slice()));
+                let [a, b, _] = &mut out_two;
+                weighted_run([w[0], w[1]], &store, off, stride, [a, b]);
+                for (w, o) in w.iter().zip(&mut out_alone) {
+                    weighted_run([w], &store, off, stride, [o]);
                 }
             }
-            for (s, o) in scores.iter().zip(&out) {
+            for (s, o) in three.iter().zip(&out) {
                 let mut expected = vec![0f32; hd];
                 for (p, w) in s.iter().enumerate() {
                     for (e, x) in expected.iter_mut().zip(row(p)) {
@@ -750,11 +787,24 @@ mod tests {
                 }
                 assert_eq!(bits(o), bits(&expected));
             }
-            assert_eq!(
-                out.each_ref().map(|o| bits(o)),
-                out_alone.each_ref().map(|o| bits(o)),
-                "paired outputs as alone"
-            );
+            assert_eq!(all_bits(&out), all_bits(&out_alone), "three heads' outputs as alone");
+            assert_eq!(all_bits(&out_two)[..2], all_bits(&out_alone)[..2], "paired outputs as alone");
+        }
+    }
+
+    #[test]
+    fn heads_run_in_threes_and_pairs_and_never_leave_one_alone_beside_others() {
+        let runs = |g: usize| head_runs(g).collect::<Vec<_>>();
+        assert_eq!(runs(1), [(0, 1)]);
+        assert_eq!(runs(2), [(0, 2)]);
+        assert_eq!(runs(3), [(0, 3)]);
+        assert_eq!(runs(4), [(0, 2), (2, 2)]);
+        assert_eq!(runs(7), [(0, 3), (3, 2), (5, 2)]);
+        for g in 1..40 {
+            let r = runs(g);
+            assert_eq!(r.iter().map(|&(_, n)| n).sum::<usize>(), g, "group {g}");
+            assert!(r.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0), "group {g}: consecutive");
+            assert!(g == 1 || r.iter().all(|&(_, n)| n > 1), "group {g}: a lone head");
         }
     }
 
@@ -834,7 +884,7 @@ mod tests {
         // Every 997th float in [-104, 0]; the full sweep is in exp8's doc.
         let (mut bits, mut differ, mut total) = (0x8000_0000u32, 0, 0);
         loop {
-            let xs: [f32; LANES] = std::array::from_fn(|l| f32::from_bits(bits + l as u32 * 997));
+            let xs: [f32; LANES] = from_fn(|l| f32::from_bits(bits + l as u32 * 997));
             if xs[LANES - 1] < -104.0 {
                 break;
             }
@@ -848,7 +898,7 @@ mod tests {
         }
         assert!(differ * 1000 < total, "{differ} of {total} differ from libm");
         assert_eq!(exp8([f32::NEG_INFINITY; LANES]), [0.0; LANES]);
-        let xs: [f32; LANES] = std::array::from_fn(|l| -(l as f32) * 13.37 - 0.123);
+        let xs: [f32; LANES] = from_fn(|l| -(l as f32) * 13.37 - 0.123);
         assert_eq!(exp8(xs).map(f32::to_bits), exp8_portable(xs).map(f32::to_bits), "the portable path's bits");
         assert_eq!(exp8([0.0; LANES]), [1.0; LANES]);
     }
@@ -860,7 +910,7 @@ mod tests {
     fn exp8_on_every_float_is_within_one_ulp_of_libm() {
         let (mut bits, mut differ, mut total) = (0x8000_0000u32, 0u64, 0u64);
         while f32::from_bits(bits + LANES as u32 - 1) >= -104.0 {
-            let xs: [f32; LANES] = std::array::from_fn(|l| f32::from_bits(bits + l as u32));
+            let xs: [f32; LANES] = from_fn(|l| f32::from_bits(bits + l as u32));
             for (got, x) in exp8(xs).iter().zip(xs) {
                 let ulps = (got.to_bits() as i64 - x.exp().to_bits() as i64).abs();
                 assert!(ulps <= 1, "exp({x}) = {got}, libm {}", x.exp());
