@@ -3,7 +3,7 @@
 //! conversation against prefilling only the new tokens, and inter-token latency of
 //! running streams while a long prompt arrives, chunked against unchunked, and decode under a JSON
 //! Schema against unconstrained decode in the same run (with the mask time per token); and the
-//! matmul and attention kernels alone, and the machine's own ceilings ([`peak`]). Prints one JSON
+//! matmul and attention kernels alone, and the machine's own ceilings (`bench/peak.rs`). Prints one JSON
 //! object.
 //!
 //! Timestamps are taken where a client would see them: when each event leaves the engine's
