@@ -118,16 +118,24 @@ mod x86 {
     const CHAINS: usize = 16;
     const CHAINS_256: usize = 12;
 
+    /// `chains` accumulators from `init`, each stepped `iters` times; inlined into each kernel, so
+    /// `step` runs with that kernel's target features.
+    #[inline(always)]
+    fn chains<T: Copy, const C: usize>(iters: usize, init: T, step: impl Fn(T) -> T) -> [T; C] {
+        let mut acc = [init; C];
+        for _ in 0..iters {
+            for x in &mut acc {
+                *x = step(*x);
+            }
+        }
+        acc
+    }
+
     /// SAFETY: the CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn fma_256(iters: usize) -> (u64, f32) {
         let (a, b) = (_mm256_set1_ps(0.999_9), _mm256_set1_ps(1e-6));
-        let mut acc = [_mm256_set1_ps(1.0); CHAINS_256];
-        for _ in 0..iters {
-            for x in &mut acc {
-                *x = _mm256_fmadd_ps(*x, a, b);
-            }
-        }
+        let acc: [_; CHAINS_256] = chains(iters, _mm256_set1_ps(1.0), |x| _mm256_fmadd_ps(x, a, b));
         let sum = acc.iter().fold(_mm256_setzero_ps(), |s, x| _mm256_add_ps(s, *x));
         ((iters * CHAINS_256 * 8) as u64, _mm256_cvtss_f32(sum))
     }
@@ -136,12 +144,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     pub unsafe fn fma_512(iters: usize) -> (u64, f32) {
         let (a, b) = (_mm512_set1_ps(0.999_9), _mm512_set1_ps(1e-6));
-        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
-        for _ in 0..iters {
-            for x in &mut acc {
-                *x = _mm512_fmadd_ps(*x, a, b);
-            }
-        }
+        let acc: [_; CHAINS] = chains(iters, _mm512_set1_ps(1.0), |x| _mm512_fmadd_ps(x, a, b));
         let sum = acc.iter().fold(_mm512_setzero_ps(), |s, x| _mm512_add_ps(s, *x));
         ((iters * CHAINS * 16) as u64, _mm512_reduce_add_ps(sum))
     }
@@ -151,12 +154,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512vnni")]
     pub unsafe fn dpbusd_512(iters: usize) -> (u64, f32) {
         let (a, b) = (_mm512_set1_epi8(3), _mm512_set1_epi8(-2));
-        let mut acc = [_mm512_setzero_si512(); CHAINS];
-        for _ in 0..iters {
-            for x in &mut acc {
-                *x = _mm512_dpbusd_epi32(*x, a, b);
-            }
-        }
+        let acc: [_; CHAINS] = chains(iters, _mm512_setzero_si512(), |x| _mm512_dpbusd_epi32(x, a, b));
         let sum = acc.iter().fold(_mm512_setzero_si512(), |s, x| _mm512_add_epi32(s, *x));
         ((iters * CHAINS * 64) as u64, _mm512_reduce_add_epi32(sum) as f32)
     }
