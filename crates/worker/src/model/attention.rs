@@ -3,15 +3,16 @@
 //! Every query's scores are summed in position order 0..=pos, whatever the batch or chunk it came
 //! in: that fixed order is what makes a request's output independent of chunk size and of its
 //! batch neighbours (bit-exact, not merely close). Work is split across threads by (tile of a
-//! row's tokens, KV head), which changes who computes a value, never the order of its sums. The kernels below
-//! compute several positions, columns, heads or rows' sums at once for speed (up to three heads
-//! of a KV group share each key and value load; the value tiles take AVX-512 registers where the CPU has
-//! them, chosen at run time), and each is tested to give the very bits of the plain
-//! one-at-a-time loop. Tried and measured slower on a Xeon: the exponential and the key dot
-//! products in AVX-512 (see docs/BENCHMARKS.md); a half-precision cache (it moved greedy tokens
-//! away from llama.cpp's in the tests).
+//! row's tokens, KV head), which changes who computes a value, never the order of its sums. The
+//! kernels below compute several positions, columns, heads or rows' sums at once for speed (up to
+//! three heads of a KV group share each key and value load; keys lie transposed within each block,
+//! so a block's scores fill the lanes of a register with no sum across lanes; the key scores,
+//! the value tiles and the exponential take AVX-512 registers where the CPU has them, chosen at
+//! run time), and each is tested to give the very bits of the plain one-at-a-time loop. Tried and
+//! dropped: a half-precision cache, and the key sums in another order (two chains over the halves
+//! of a head): each moved a near-tie of the tests' prompts away from llama.cpp's greedy tokens.
 
-use std::array::from_fn;
+use std::{array::from_fn, ops::Range};
 
 use super::BatchRow;
 
@@ -116,33 +117,39 @@ impl Attention {
     }
 }
 
-/// One layer's paged K and V storage: `[block][slot][kv_head][head_dim]`.
+/// One layer's paged K and V storage. Values lie as `[block][slot][kv_head][head_dim]`: the
+/// weighted sum reads a position's row. Keys lie transposed within each block,
+/// `[block][kv_head][head_dim][slot]`: [`qk_block`] takes a block's positions as vector lanes.
 pub struct LayerKv {
     k: Vec<f32>,
     v: Vec<f32>,
     block_size: usize,
+    head_dim: usize,
 }
 
 impl LayerKv {
     pub fn new(num_blocks: usize, block_size: usize, heads: Heads) -> Self {
         let n = num_blocks * block_size * heads.n_kv_head * heads.head_dim;
-        LayerKv { k: vec![0.0; n], v: vec![0.0; n], block_size }
+        LayerKv { k: vec![0.0; n], v: vec![0.0; n], block_size, head_dim: heads.head_dim }
+    }
+
+    /// Store one position's keys and values (all KV heads, `[kv_head][head_dim]` each) in `slot`
+    /// of `block`.
+    fn write(&mut self, block: crate::kv_cache::BlockId, slot: usize, k: &[f32], v: &[f32]) {
+        let (bs, hd, row) = (self.block_size, self.head_dim, v.len());
+        let at = (block.index() * bs + slot) * row;
+        self.v[at..at + row].copy_from_slice(v);
+        let keys = &mut self.k[block.index() * bs * row..][..bs * row];
+        for (d, &x) in k.iter().enumerate() {
+            // Dimension d of head d / hd: row d of that head's [head_dim][slot] matrix.
+            keys[(d / hd * hd + d % hd) * bs + slot] = x;
+        }
     }
 }
 
-/// Where a position of a row lives in the paged store (element offset of its K/V vector row).
-#[inline]
-fn slot_offset(blocks: &[crate::kv_cache::BlockId], block_size: usize, pos: usize, row: usize) -> usize {
-    (blocks[pos / block_size].index() * block_size + pos % block_size) * row
-}
-
-/// Lanes of one AVX register: every dot product sums in these lanes, then folds them in a
-/// fixed tree, so its value is the same whichever kernel computed it.
+/// Lanes of one AVX register: [`dot`] sums in this many lanes, and [`exp8`] takes this many
+/// values at once.
 const LANES: usize = 8;
-/// Positions whose scores [`qk_run_fma`] computes together: with the two heads of a pair, eight
-/// independent accumulator chains keep the FMA units busy where one chain would wait on each
-/// add's latency.
-const DOT_BATCH: usize = 4;
 /// Output columns [`weighted_run`] keeps in registers at once.
 const TILE: usize = 64;
 /// Query tokens of one sequence that one task serves together: each K/V block is read once for
@@ -155,9 +162,11 @@ fn fold(acc: &[f32; LANES]) -> f32 {
     (acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
+/// The dot product every attention score is: eight lanes (dimension `d` in lane `d % 8`), each
+/// summed in order with fused multiply-adds, folded in a fixed tree, then the dimensions past the
+/// last whole eight in order. [`qk_block`] computes these very bits many at once.
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent lanes in a fixed order: one AVX register, and deterministic.
     let mut acc = [0f32; LANES];
     let (ac, ar) = a.as_chunks::<LANES>();
     let (bc, br) = b.as_chunks::<LANES>();
@@ -231,6 +240,36 @@ fn exp8(x: [f32; LANES]) -> [f32; LANES] {
     exp8_portable(x)
 }
 
+/// [`exp8`] of `x - max` for every chunk, each in one 8-lane double-precision register: the same
+/// operations, so the same bits.
+///
+/// SAFETY: the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_shifted_avx512(chunks: &mut [[f32; LANES]], max: f32) {
+    use std::arch::x86_64::*;
+    for c in chunks {
+        // SAFETY: eight floats in and out, unaligned.
+        unsafe {
+            let x = _mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), _mm256_set1_ps(max));
+            let xd = _mm512_cvtps_pd(_mm256_max_ps(x, _mm256_set1_ps(EXP_LOWEST)));
+            let n = _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_pd(
+                xd,
+                _mm512_set1_pd(EXP_LOG2E),
+            ));
+            let r = _mm512_fnmadd_pd(n, _mm512_set1_pd(EXP_LN2_HI), xd);
+            let r = _mm512_fnmadd_pd(n, _mm512_set1_pd(EXP_LN2_LO), r);
+            let mut p = _mm512_set1_pd(EXP_C[11]);
+            for &c in EXP_C[..11].iter().rev() {
+                p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(c));
+            }
+            let n = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n));
+            let scale = _mm512_castsi512_pd(_mm512_slli_epi64::<52>(_mm512_add_epi64(n, _mm512_set1_epi64(1023))));
+            _mm256_storeu_ps(c.as_mut_ptr(), _mm512_cvtpd_ps(_mm512_mul_pd(p, scale)));
+        }
+    }
+}
+
 /// [`exp8`] without SIMD: the same operations one lane at a time.
 #[cfg_attr(all(target_arch = "x86_64", target_feature = "fma", target_feature = "avx2"), allow(dead_code))]
 fn exp8_portable(x: [f32; LANES]) -> [f32; LANES] {
@@ -265,9 +304,18 @@ fn exp_shifted(row: &mut [f32]) {
         }
     }
     let max = lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    // (An AVX-512 version in double precision measured 2.5x slower than this on a Xeon.)
     let (chunks, rest) = row.as_chunks_mut::<LANES>();
-    for c in chunks {
+    #[cfg(target_arch = "x86_64")]
+    if avx512() {
+        // SAFETY: AVX-512F is present (checked at run time).
+        unsafe { exp_shifted_avx512(chunks, max) };
+    } else {
+        for c in chunks.iter_mut() {
+            *c = exp8(c.map(|x| x - max));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for c in chunks.iter_mut() {
         *c = exp8(c.map(|x| x - max));
     }
     if !rest.is_empty() {
@@ -316,9 +364,10 @@ fn softmax_rows(scores: &mut [f32], n: usize, range: impl Fn(usize) -> (usize, u
     }
 }
 
-/// One sequence's K or V rows for one KV head, in position order: [`PagedRows::runs`] yields,
-/// block by block, the element offset of each block's first row and how many of its rows are
-/// below `n`.
+/// One sequence's keys or values for one KV head, in position order: [`PagedRows::runs`] yields,
+/// block by block, the element offset where the head's part of the block starts (with `head` the
+/// head's offset within a block: its row offset for values, its matrix's for the transposed keys)
+/// and how many of the block's positions are below `n`.
 struct PagedRows<'a> {
     blocks: &'a [crate::kv_cache::BlockId],
     block_size: usize,
@@ -340,80 +389,102 @@ impl PagedRows<'_> {
     }
 }
 
-/// `out[i][s] = dot(q[i], K[s]) * scale` for `R` queries (heads sharing a KV head) and
-/// consecutive key rows `s`, the first at element `off`.
-fn qk_run<const R: usize>(q: [&[f32]; R], keys: &[f32], off: usize, stride: usize, scale: f32, out: [&mut [f32]; R]) {
-    let (hd, n) = (q[0].len(), out[0].len());
-    assert!(q.iter().all(|q| q.len() == hd) && out.iter().all(|o| o.len() == n), "one length for all queries");
-    let Some(last) = n.checked_sub(1) else { return };
-    assert!(off + last * stride + hd <= keys.len(), "every key row inside the store");
-    #[cfg(all(target_arch = "x86_64", target_feature = "fma"))]
-    if hd % LANES == 0 {
-        let (q, keys, out) = (q.map(<[f32]>::as_ptr), keys[off..].as_ptr(), out.map(<[f32]>::as_mut_ptr));
-        // SAFETY: FMA is enabled at compile time; the rows read lie inside `keys` (asserted
-        // above); each output holds `n` floats of its own. (An AVX-512 version, two keys to a
-        // register, measured 10% slower on a Xeon.)
-        unsafe { qk_run_fma(q, keys, stride, hd, n, scale, out) };
+/// The scores of `R` queries (heads sharing a KV head) against one block's keys of one KV head,
+/// stored transposed (`keys[d * block_size + slot]`), for the slots `slots`: `out[r][i]` is
+/// `dot(q[r], key of slot slots.start + i) * scale`, bit for bit [`dot`]. Slots are the vector
+/// lanes: each of [`dot`]'s eight lane sums is a register of sixteen slots' sums, and its fold is
+/// seven adds of registers, where keys laid in rows needed a sum across lanes for every score
+/// (which cost as much as the multiplies).
+fn qk_block<const R: usize>(
+    q: [&[f32]; R],
+    keys: &[f32],
+    block_size: usize,
+    slots: Range<usize>,
+    scale: f32,
+    out: [&mut [f32]; R],
+) {
+    let hd = q[0].len();
+    assert!(q.iter().all(|q| q.len() == hd), "one head size for all queries");
+    assert!(out.iter().all(|o| o.len() == slots.len()), "a score for each slot");
+    assert!(slots.end <= block_size && keys.len() >= hd * block_size, "slots inside the block's keys");
+    #[cfg(target_arch = "x86_64")]
+    if avx512() {
+        let (q, out) = (q.map(<[f32]>::as_ptr), out.map(<[f32]>::as_mut_ptr));
+        // SAFETY: AVX-512F is present (checked at run time); every key read is below
+        // `hd * block_size` (asserted above); each output holds `slots.len()` floats of its own.
+        unsafe { qk_block_avx512(q, keys.as_ptr(), block_size, hd, slots, scale, out) };
         return;
     }
-    // Any other head size or CPU: one dot product at a time, the same bits.
-    for r in 0..R {
-        for (s, o) in out[r].iter_mut().enumerate() {
-            *o = dot(q[r], &keys[off + s * stride..][..hd]) * scale;
+    qk_block_portable(q, keys, block_size, slots, scale, out);
+}
+
+/// [`qk_block`] on any CPU: each key gathered from its column, then [`dot`].
+fn qk_block_portable<const R: usize>(
+    q: [&[f32]; R],
+    keys: &[f32],
+    block_size: usize,
+    slots: Range<usize>,
+    scale: f32,
+    out: [&mut [f32]; R],
+) {
+    let hd = q[0].len();
+    let mut key = vec![0f32; hd];
+    for (i, s) in slots.enumerate() {
+        key.iter_mut().enumerate().for_each(|(d, k)| *k = keys[d * block_size + s]);
+        for r in 0..R {
+            out[r][i] = dot(q[r], &key) * scale;
         }
     }
 }
 
-/// [`qk_run`] for a head size that is a multiple of [`LANES`], as one loop over raw rows: each
-/// score is bit-for-bit [`dot`] (the same lanes, the same fused multiply-adds in the same order,
-/// the same fold), for [`DOT_BATCH`] keys and `R` queries at once: independent chains, each key
-/// load shared by the queries, the lanes of all the sums folded together in vector registers. Left
-/// to itself the compiler vectorizes across the keys instead of across lanes, which is slower; and
-/// a bounds check or a scalar store per score costs more than the dot products themselves.
+/// Slots one [`qk_block_avx512`] register holds.
+const SLOT_LANES: usize = 16;
+
+/// [`qk_block`] sixteen slots to a register: [`dot`]'s lane sums, fold and tail, so its bits.
 ///
-/// SAFETY: `hd` floats are readable at each `q[r]` and at `keys + s * stride` for `s < n`; `n`
-/// floats are writable at each `out[r]`, and no output overlaps another or the inputs.
-#[cfg(all(target_arch = "x86_64", target_feature = "fma"))]
-#[inline(always)]
-unsafe fn qk_run_fma<const R: usize>(
+/// SAFETY: the CPU has AVX-512F; `hd` floats are readable at each `q[r]`, and `hd * block_size`
+/// at `keys`; `slots.len()` floats are writable at each `out[r]`, overlapping nothing else;
+/// `slots.end <= block_size`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn qk_block_avx512<const R: usize>(
     q: [*const f32; R],
     keys: *const f32,
-    stride: usize,
+    block_size: usize,
     hd: usize,
-    n: usize,
+    slots: Range<usize>,
     scale: f32,
     out: [*mut f32; R],
 ) {
     use std::arch::x86_64::*;
-    // SAFETY: every pointer stays inside what the caller promises (keys past the last one are
-    // replaced by the last one; their results are not stored).
+    let whole = hd - hd % LANES;
+    // SAFETY: lanes past `slots.end` are masked off in every load and store; the rest lie inside
+    // what the caller promises.
     unsafe {
-        let half = |v: __m256| _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let scale = _mm_set1_ps(scale);
-        for s in (0..n).step_by(DOT_BATCH) {
-            let k: [*const f32; DOT_BATCH] = from_fn(|j| keys.add((s + j).min(n - 1) * stride));
-            let mut a = [[_mm256_setzero_ps(); DOT_BATCH]; R];
-            for i in (0..hd).step_by(LANES) {
-                let x: [__m256; R] = from_fn(|r| _mm256_loadu_ps(q[r].add(i)));
-                for j in 0..DOT_BATCH {
-                    let y = _mm256_loadu_ps(k[j].add(i));
-                    for r in 0..R {
-                        a[r][j] = _mm256_fmadd_ps(x[r], y, a[r][j]);
+        for c in slots.clone().step_by(SLOT_LANES) {
+            let mask = (u32::MAX >> (32 - (slots.end - c).min(SLOT_LANES))) as __mmask16;
+            let k = keys.add(c);
+            let key = |d: usize| _mm512_maskz_loadu_ps(mask, k.add(d * block_size));
+            let term = |r: usize, d: usize| _mm512_set1_ps(*q[r].add(d));
+            // Lane sum `l` of `dot` for every head: dimensions l, l + 8, ... in order.
+            let mut acc = [[_mm512_setzero_ps(); LANES]; R];
+            for d0 in (0..whole).step_by(LANES) {
+                for (l, d) in (d0..d0 + LANES).enumerate() {
+                    let k = key(d);
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        acc[l] = _mm512_fmadd_ps(term(r, d), k, acc[l]);
                     }
                 }
             }
-            let valid = (n - s).min(DOT_BATCH);
             for r in 0..R {
-                let [a0, a1, a2, a3] = a[r];
-                let f = _mm_hadd_ps(_mm_hadd_ps(half(a0), half(a1)), _mm_hadd_ps(half(a2), half(a3)));
-                let f = _mm_mul_ps(f, scale);
-                if valid == DOT_BATCH {
-                    _mm_storeu_ps(out[r].add(s), f);
-                } else {
-                    let mut t = [0f32; DOT_BATCH];
-                    _mm_storeu_ps(t.as_mut_ptr(), f);
-                    std::ptr::copy_nonoverlapping(t.as_ptr(), out[r].add(s), valid);
+                let a = &acc[r];
+                let add = |x, y| _mm512_add_ps(x, y);
+                // `fold`'s tree, then the dimensions past the last whole eight, in order.
+                let mut score = add(add(add(a[0], a[4]), add(a[1], a[5])), add(add(a[2], a[6]), add(a[3], a[7])));
+                for d in whole..hd {
+                    score = _mm512_fmadd_ps(term(r, d), key(d), score);
                 }
+                _mm512_mask_storeu_ps(out[r].add(c - slots.start), mask, _mm512_mul_ps(score, _mm512_set1_ps(scale)));
             }
         }
     }
@@ -588,9 +659,8 @@ pub fn paged_attention(
     }
 
     for (t, &(r, pos)) in token_pos.iter().enumerate() {
-        let off = slot_offset(rows[r].blocks, block_size, pos, kv_row);
-        kv.k[off..off + kv_row].copy_from_slice(&k[t * kv_row..(t + 1) * kv_row]);
-        kv.v[off..off + kv_row].copy_from_slice(&v[t * kv_row..(t + 1) * kv_row]);
+        let (kt, vt) = (&k[t * kv_row..(t + 1) * kv_row], &v[t * kv_row..(t + 1) * kv_row]);
+        kv.write(rows[r].blocks[pos / block_size], pos % block_size, kt, vt);
     }
 
     let scale = shape.scale;
@@ -624,28 +694,40 @@ pub fn paged_attention(
         };
         scores.clear();
         scores.resize(m * group * n_max, 0.0);
-        for (p, off, len) in paged.runs(n_max) {
+        // This KV head's transposed keys, block by block (see `LayerKv`).
+        let key_blocks = PagedRows { head: g * hd * block_size, ..paged };
+        for (p, off, len) in key_blocks.runs(n_max) {
+            let keys = &kv.k[off..off + hd * block_size];
             for j in 0..m {
                 let (first, count) = part(j, p, len);
                 if count == 0 {
                     continue;
                 }
                 let qv = |h: usize| &q[(t0 + j) * q_row + (g * group + h) * hd..][..hd];
-                let keys = off + first * kv_row;
-                let cols = p + first..p + first + count;
+                let (slots, cols) = (first..first + count, p + first..p + first + count);
                 // The group's heads of token j in runs that read the same keys.
                 let heads = &mut scores[j * group * n_max..(j + 1) * group * n_max];
                 for (h, n) in head_runs(group) {
                     let run = &mut heads[h * n_max..(h + n) * n_max];
-                    let cols = cols.clone();
+                    let (slots, cols) = (slots.clone(), cols.clone());
                     match n {
-                        3 => {
-                            qk_run::<3>(from_fn(|i| qv(h + i)), &kv.k, keys, kv_row, scale, rows_mut(run, n_max, cols))
-                        }
-                        2 => {
-                            qk_run::<2>(from_fn(|i| qv(h + i)), &kv.k, keys, kv_row, scale, rows_mut(run, n_max, cols))
-                        }
-                        _ => qk_run::<1>([qv(h)], &kv.k, keys, kv_row, scale, rows_mut(run, n_max, cols)),
+                        3 => qk_block::<3>(
+                            from_fn(|i| qv(h + i)),
+                            keys,
+                            block_size,
+                            slots,
+                            scale,
+                            rows_mut(run, n_max, cols),
+                        ),
+                        2 => qk_block::<2>(
+                            from_fn(|i| qv(h + i)),
+                            keys,
+                            block_size,
+                            slots,
+                            scale,
+                            rows_mut(run, n_max, cols),
+                        ),
+                        _ => qk_block::<1>([qv(h)], keys, block_size, slots, scale, rows_mut(run, n_max, cols)),
                     }
                 }
             }
@@ -726,6 +808,17 @@ mod tests {
         assert!((n0 - n1).abs() < 1e-3);
     }
 
+    /// Where a position of a row lives in a store laid out as the values are (element offset of
+    /// its row).
+    fn slot_offset(blocks: &[crate::kv_cache::BlockId], block_size: usize, pos: usize, row: usize) -> usize {
+        (blocks[pos / block_size].index() * block_size + pos % block_size) * row
+    }
+
+    /// The same columns of three rows.
+    fn cut(rows: &mut [Vec<f32>; 3], cols: Range<usize>) -> [&mut [f32]; 3] {
+        rows.each_mut().map(|r| &mut r[cols.clone()])
+    }
+
     fn wave(n: usize, f: f32) -> Vec<f32> {
         (0..n).map(|i| ((i as f32) * f).sin() * 3.0).collect()
     }
@@ -733,29 +826,46 @@ mod tests {
     #[test]
     fn paged_kernels_sum_every_position_in_order_across_scattered_blocks_in_runs_of_heads_or_alone() {
         use crate::kv_cache::BlockId;
-        // 72 and 128: the vector kernel; 67: the plain one, for head sizes that are no multiple of 8.
-        for hd in [72, 128, 67] {
-            let (block_size, n_kv_head) = (4, 2);
+        // Head sizes of whole eights and not (67: three dimensions after the fold); blocks of 4
+        // (part of a register) and 20 (a whole register of slots and part of another).
+        for (hd, block_size) in [(72, 4), (128, 20), (67, 4)] {
+            let n_kv_head = 2;
             let stride = n_kv_head * hd;
             let blocks: Vec<BlockId> = [5, 0, 3, 7].map(BlockId::new).to_vec();
             let store = wave(8 * block_size * stride, 0.013);
-            let (g, n) = (1, 14); // the second KV head; 14 positions end mid-block
+            // The second KV head; the positions end mid-block.
+            let (g, n) = (1, 3 * block_size + 2);
             let paged = PagedRows { blocks: &blocks, block_size, stride, head: g * hd };
             let row = |p: usize| {
                 let off = slot_offset(&blocks, block_size, p, stride) + g * hd;
                 &store[off..off + hd]
             };
-            // Three queries of one KV group, as the engine runs them, then two, then each alone.
+            // The same rows as keys, through the cache's own write (transposed).
+            let heads = Heads { n_head: 3 * n_kv_head, n_kv_head, head_dim: hd };
+            let mut kv = LayerKv::new(8, block_size, heads);
+            for p in 0..8 * block_size {
+                let (b, slot) = (BlockId::new((p / block_size) as u32), p % block_size);
+                let at = (b.index() * block_size + slot) * stride;
+                kv.write(b, slot, &store[at..at + stride], &store[at..at + stride]);
+            }
+            let key_blocks = PagedRows { head: g * hd * block_size, ..paged };
+            // Three queries of one KV group, as the engine runs them, then two, then each alone,
+            // over whole blocks and over the middle of each (where a window or a tile edge cuts).
             let queries = [wave(hd, 0.29), wave(hd, 0.47), wave(hd, 0.61)];
             let zeros = || [vec![0.0; n], vec![0.0; n], vec![0.0; n]];
-            let (mut three, mut two, mut alone) = (zeros(), zeros(), zeros());
-            for (p, off, len) in paged.runs(n) {
+            let (mut three, mut two, mut alone, mut parts) = (zeros(), zeros(), zeros(), zeros());
+            for (p, off, len) in key_blocks.runs(n) {
+                let keys = &kv.k[off..off + hd * block_size];
                 let q: [&[f32]; 3] = queries.each_ref().map(|q| q.as_slice());
-                qk_run(q, &store, off, stride, 0.5, three.each_mut().map(|s| &mut s[p..p + len]));
+                qk_block(q, keys, block_size, 0..len, 0.5, cut(&mut three, p..p + len));
                 let [a, b, _] = &mut two;
-                qk_run([q[0], q[1]], &store, off, stride, 0.5, [&mut a[p..p + len], &mut b[p..p + len]]);
+                qk_block([q[0], q[1]], keys, block_size, 0..len, 0.5, [&mut a[p..p + len], &mut b[p..p + len]]);
                 for (q, s) in q.iter().zip(&mut alone) {
-                    qk_run([q], &store, off, stride, 0.5, [&mut s[p..p + len]]);
+                    qk_block([q], keys, block_size, 0..len, 0.5, [&mut s[p..p + len]]);
+                }
+                for slots in [0..1.min(len), 1.min(len)..len] {
+                    let cols = p + slots.start..p + slots.end;
+                    qk_block(q, keys, block_size, slots, 0.5, cut(&mut parts, cols));
                 }
             }
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -766,6 +876,14 @@ mod tests {
             }
             let all_bits = |s: &[Vec<f32>; 3]| s.each_ref().map(|s| bits(s));
             assert_eq!(all_bits(&three), all_bits(&alone), "three heads' scores as alone");
+            assert_eq!(all_bits(&three), all_bits(&parts), "a block's scores cut in two as whole");
+            let mut portable = zeros();
+            for (p, off, len) in key_blocks.runs(n) {
+                let q: [&[f32]; 3] = queries.each_ref().map(|q| q.as_slice());
+                let keys = &kv.k[off..off + hd * block_size];
+                qk_block_portable(q, keys, block_size, 0..len, 0.5, cut(&mut portable, p..p + len));
+            }
+            assert_eq!(all_bits(&three), all_bits(&portable), "the portable path's bits");
             assert_eq!(all_bits(&two)[..2], all_bits(&alone)[..2], "paired scores as alone");
             let zeros = || [vec![0.0; hd], vec![0.0; hd], vec![0.0; hd]];
             let (mut out, mut out_two, mut out_alone) = (zeros(), zeros(), zeros());
@@ -903,6 +1021,24 @@ mod tests {
         assert_eq!(exp8([0.0; LANES]), [1.0; LANES]);
     }
 
+    #[test]
+    fn a_row_shifted_and_exponentiated_gets_exp8s_bits_on_every_path() {
+        // Every 991st float in [-110, 0], a row led by its maximum (0) and ending mid-chunk.
+        let mut row = vec![0f32];
+        let mut at = 0x8000_0001u32;
+        while f32::from_bits(at) >= -110.0 {
+            row.push(f32::from_bits(at));
+            at += 991;
+        }
+        while row.len() % LANES != 3 {
+            row.push(-1.5); // a tail of three
+        }
+        let expected: Vec<f32> = row.iter().map(|&x| exp8([x; LANES])[0]).collect();
+        let mut got = row.clone();
+        exp_shifted(&mut got);
+        assert!(bits(&got) == bits(&expected), "exp_shifted differs from exp8");
+    }
+
     /// Every float in [-104, 0] (1.12 billion; seconds in release): the count in [`exp8`]'s doc.
     /// `cargo test --release -p bellows-worker --lib exp8_on_every_float -- --ignored --nocapture`
     #[test]
@@ -920,6 +1056,14 @@ mod tests {
             bits += LANES as u32;
         }
         eprintln!("exp8 differs from libm on {differ} of {total} floats in [-104, 0], by one ulp");
+    }
+
+    #[test]
+    fn dot_matches_naive_sum_closely() {
+        let a: Vec<f32> = (0..67).map(|i| (i as f32).sin()).collect();
+        let b: Vec<f32> = (0..67).map(|i| (i as f32).cos()).collect();
+        let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert!((dot(&a, &b) - naive).abs() < 1e-4);
     }
 
     #[test]
@@ -959,13 +1103,5 @@ mod tests {
             assert_eq!(bits(&many[r * n + lo..r * n + hi]), bits(row), "row {r}");
             assert!(many[r * n..r * n + lo].iter().chain(&many[r * n + hi..(r + 1) * n]).all(|&x| x == 0.0), "row {r}");
         }
-    }
-
-    #[test]
-    fn dot_matches_naive_sum_closely() {
-        let a: Vec<f32> = (0..67).map(|i| (i as f32).sin()).collect();
-        let b: Vec<f32> = (0..67).map(|i| (i as f32).cos()).collect();
-        let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-        assert!((dot(&a, &b) - naive).abs() < 1e-4);
     }
 }
