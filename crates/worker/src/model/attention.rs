@@ -692,8 +692,14 @@ pub fn paged_attention(
             let (a, b) = (p.max(lo), (p + len).min(hi));
             (a - p, b.saturating_sub(a))
         };
-        scores.clear();
+        // Every score a query sees is written below; softmax_rows needs zeros around them. So
+        // zero only those (a whole new buffer each task was a memset of every score).
         scores.resize(m * group * n_max, 0.0);
+        for (r, row) in scores.chunks_mut(n_max).enumerate() {
+            let (lo, hi) = shape.visible(p0 + r / group);
+            row[..lo].fill(0.0);
+            row[hi..].fill(0.0);
+        }
         // This KV head's transposed keys, block by block (see `LayerKv`).
         let key_blocks = PagedRows { head: g * hd * block_size, ..paged };
         for (p, off, len) in key_blocks.runs(n_max) {
