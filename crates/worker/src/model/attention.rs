@@ -119,7 +119,8 @@ impl Attention {
 
 /// One layer's paged K and V storage. Values lie as `[block][slot][kv_head][head_dim]`: the
 /// weighted sum reads a position's row. Keys lie transposed within each block,
-/// `[block][kv_head][head_dim][slot]`: [`qk_block`] takes a block's positions as vector lanes.
+/// `[block][kv_head][head_dim][slot]`: the key kernel (`qk_block`) takes a block's positions as
+/// vector lanes.
 pub struct LayerKv {
     k: Vec<f32>,
     v: Vec<f32>,
