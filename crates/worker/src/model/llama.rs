@@ -35,6 +35,7 @@ use super::{
     device_attention::{DeviceKv, DeviceRope, StepPlan, paged_attention_on_device},
     q8_matmul::{self, Q8Weights},
     q8_vnni::{self, VnniWeights},
+    swiglu,
 };
 
 /// Load-time choices.
@@ -254,10 +255,20 @@ struct Fused {
 
 impl Fused {
     fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let mut y = self.mm.forward(x)?;
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
-        }
+        self.split(self.whole(x)?)
+    }
+
+    /// The outputs side by side, as the one matmul gives them.
+    fn whole(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.mm.forward(x)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+
+    /// Each output on its own.
+    fn split(&self, y: Tensor) -> Result<Vec<Tensor>> {
         if self.widths.len() == 1 {
             return Ok(vec![y]);
         }
@@ -591,12 +602,16 @@ impl Layer {
 
     fn mlp(&self, x: &Tensor, step: &Step<'_>) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(x, &self.ffn_norm, step.eps)?;
-        let gu = self.gate_up.forward(&h)?;
-        let gate = match step.activation {
-            Activation::Silu => candle_nn::ops::silu(&gu[0])?,
-            Activation::GeluTanh => gu[0].gelu()?,
+        let gu = self.gate_up.whole(&h)?;
+        let gated = match step.activation {
+            // One pass over the fused output, candle's bits (see `swiglu`).
+            Activation::Silu => swiglu::silu_gate(&gu, gu.dim(1)? / 2)?,
+            Activation::GeluTanh => {
+                let gu = self.gate_up.split(gu)?;
+                (gu[0].gelu()? * &gu[1])?
+            }
         };
-        let d = self.down.forward(&(gate * &gu[1])?)?;
+        let d = self.down.forward(&gated)?;
         match &self.post_norms {
             Some(n) => Ok(candle_nn::ops::rms_norm(&d, &n.ffn, step.eps)?),
             None => Ok(d),

@@ -11,6 +11,7 @@ pub mod llama;
 pub mod q8_matmul;
 pub mod q8_vnni;
 pub mod sim;
+pub mod swiglu;
 
 use crate::kv_cache::BlockId;
 
