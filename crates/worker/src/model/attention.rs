@@ -125,31 +125,31 @@ pub struct LayerKv {
     k: Vec<f32>,
     v: Vec<f32>,
     block_size: usize,
-    head_dim: usize,
 }
 
 impl LayerKv {
     pub fn new(num_blocks: usize, block_size: usize, heads: Heads) -> Self {
         let n = num_blocks * block_size * heads.n_kv_head * heads.head_dim;
-        LayerKv { k: vec![0.0; n], v: vec![0.0; n], block_size, head_dim: heads.head_dim }
+        LayerKv { k: vec![0.0; n], v: vec![0.0; n], block_size }
     }
 
     /// Store one position's keys and values (all KV heads, `[kv_head][head_dim]` each) in `slot`
     /// of `block`.
     fn write(&mut self, block: crate::kv_cache::BlockId, slot: usize, k: &[f32], v: &[f32]) {
-        let (bs, hd, row) = (self.block_size, self.head_dim, v.len());
+        let (bs, row) = (self.block_size, v.len());
         let at = (block.index() * bs + slot) * row;
         self.v[at..at + row].copy_from_slice(v);
+        // The block's heads' [head_dim][slot] matrices one after another: element `d` of the
+        // position's keys (all heads) is row `d` of them.
         let keys = &mut self.k[block.index() * bs * row..][..bs * row];
         for (d, &x) in k.iter().enumerate() {
-            // Dimension d of head d / hd: row d of that head's [head_dim][slot] matrix.
-            keys[(d / hd * hd + d % hd) * bs + slot] = x;
+            keys[d * bs + slot] = x;
         }
     }
 }
 
-/// Lanes of one AVX register: [`dot`] sums in this many lanes, and [`exp8`] takes this many
-/// values at once.
+/// Lanes of one AVX register: `dot` sums in this many lanes, and [`exp8`] takes this many values
+/// at once.
 const LANES: usize = 8;
 /// Output columns [`weighted_run`] keeps in registers at once.
 const TILE: usize = 64;
@@ -165,8 +165,9 @@ fn fold(acc: &[f32; LANES]) -> f32 {
 
 /// The dot product every attention score is: eight lanes (dimension `d` in lane `d % 8`), each
 /// summed in order with fused multiply-adds, folded in a fixed tree, then the dimensions past the
-/// last whole eight in order. [`qk_block`] computes these very bits many at once.
-#[inline]
+/// last whole eight in order. [`qk_block`] computes these very bits many at once; this one at a
+/// time is the tests' reference.
+#[cfg(test)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let (ac, ar) = a.as_chunks::<LANES>();
@@ -392,8 +393,8 @@ impl PagedRows<'_> {
 
 /// The scores of `R` queries (heads sharing a KV head) against one block's keys of one KV head,
 /// stored transposed (`keys[d * block_size + slot]`), for the slots `slots`: `out[r][i]` is
-/// `dot(q[r], key of slot slots.start + i) * scale`, bit for bit [`dot`]. Slots are the vector
-/// lanes: each of [`dot`]'s eight lane sums is a register of sixteen slots' sums, and its fold is
+/// `dot(q[r], key of slot slots.start + i) * scale`, bit for bit `dot`. Slots are the vector
+/// lanes: each of `dot`'s eight lane sums is a register of sixteen slots' sums, and its fold is
 /// seven adds of registers, where keys laid in rows needed a sum across lanes for every score
 /// (which cost as much as the multiplies).
 fn qk_block<const R: usize>(
@@ -419,21 +420,42 @@ fn qk_block<const R: usize>(
     qk_block_portable(q, keys, block_size, slots, scale, out);
 }
 
-/// [`qk_block`] on any CPU: each key gathered from its column, then [`dot`].
+/// [`qk_block`] on any CPU: `dot`'s lane sums for eight slots at a time, in fixed-size arrays
+/// the compiler turns into vector registers where it can, then its fold and tail per slot.
 fn qk_block_portable<const R: usize>(
     q: [&[f32]; R],
     keys: &[f32],
     block_size: usize,
     slots: Range<usize>,
     scale: f32,
-    out: [&mut [f32]; R],
+    mut out: [&mut [f32]; R],
 ) {
+    const W: usize = 8;
     let hd = q[0].len();
-    let mut key = vec![0f32; hd];
-    for (i, s) in slots.enumerate() {
-        key.iter_mut().enumerate().for_each(|(d, k)| *k = keys[d * block_size + s]);
-        for r in 0..R {
-            out[r][i] = dot(q[r], &key) * scale;
+    let whole = hd - hd % LANES;
+    for c in slots.clone().step_by(W) {
+        let n = (slots.end - c).min(W);
+        // Dimension `d` of the chunk's keys (zeros past its last slot: their sums are not stored).
+        let key = |d: usize| {
+            let mut k = [0f32; W];
+            k[..n].copy_from_slice(&keys[d * block_size + c..][..n]);
+            k
+        };
+        for (q, out) in q.iter().zip(out.iter_mut()) {
+            let mut acc = [[0f32; W]; LANES];
+            for d in 0..whole {
+                let (k, lane) = (key(d), &mut acc[d % LANES]);
+                for (a, k) in lane.iter_mut().zip(k) {
+                    *a = q[d].mul_add(k, *a);
+                }
+            }
+            for (s, o) in out[c - slots.start..][..n].iter_mut().enumerate() {
+                let mut score = fold(&from_fn(|l| acc[l][s]));
+                for d in whole..hd {
+                    score = q[d].mul_add(keys[d * block_size + c + s], score);
+                }
+                *o = score * scale;
+            }
         }
     }
 }
@@ -441,7 +463,7 @@ fn qk_block_portable<const R: usize>(
 /// Slots one [`qk_block_avx512`] register holds.
 const SLOT_LANES: usize = 16;
 
-/// [`qk_block`] sixteen slots to a register: [`dot`]'s lane sums, fold and tail, so its bits.
+/// [`qk_block`] sixteen slots to a register: `dot`'s lane sums, fold and tail, so its bits.
 ///
 /// SAFETY: the CPU has AVX-512F; `hd` floats are readable at each `q[r]`, and `hd * block_size`
 /// at `keys`; `slots.len()` floats are writable at each `out[r]`, overlapping nothing else;
