@@ -725,7 +725,12 @@ pub fn paged_attention(
         }
         // This KV head's transposed keys, block by block (see `LayerKv`).
         let key_blocks = PagedRows { head: g * hd * block_size, ..paged };
-        for (p, off, len) in key_blocks.runs(n_max) {
+        let mut key_runs = key_blocks.runs(n_max).peekable();
+        while let Some((p, off, len)) = key_runs.next() {
+            // The next block's keys, one contiguous matrix, start loading while this one is used.
+            if let Some(&(_, next, _)) = key_runs.peek() {
+                prefetch(&kv.k, next, hd * block_size);
+            }
             let keys = &kv.k[off..off + hd * block_size];
             for j in 0..m {
                 let (first, count) = part(j, p, len);
@@ -762,7 +767,12 @@ pub fn paged_attention(
             }
         }
         softmax_rows(scores, n_max, |r| shape.visible(p0 + r / group));
-        for (p, off, len) in paged.runs(n_max) {
+        let mut value_runs = paged.runs(n_max).peekable();
+        while let Some((p, off, len)) = value_runs.next() {
+            // The next block's value rows of this KV head likewise.
+            if let Some(&(_, next, rows)) = value_runs.peek() {
+                (0..rows).for_each(|s| prefetch(&kv.v, next + s * kv_row, hd));
+            }
             for j in 0..m {
                 let (first, count) = part(j, p, len);
                 if count == 0 {
@@ -791,6 +801,20 @@ pub fn paged_attention(
     let work: usize = token_pos.iter().map(|&(_, p)| seen(p)).sum::<usize>() * n_head * hd;
     run_tasks(tiles.len() * n_kv_head, work >= PARALLEL_MIN_WORK, task);
     out
+}
+
+/// Start loading `data[start..start + len]` into the cache: a hint, with no effect on any
+/// result. A block of another sequence's cache is cold (in a batched decode step, every block
+/// is), and the CPU's own prefetcher starts over at each block, which lies anywhere in the pool.
+#[inline]
+fn prefetch(data: &[f32], start: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for at in (start..(start + len).min(data.len())).step_by(64 / size_of::<f32>()) {
+        // SAFETY: a prefetch never faults or writes, and the address lies inside `data`.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(data.as_ptr().add(at).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, start, len);
 }
 
 /// Run `f(i, scratch)` for every task `i`, in parallel on candle's matmul thread pool:

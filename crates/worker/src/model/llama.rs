@@ -25,7 +25,7 @@ use std::{fs::File, path::Path};
 
 use anyhow::{Context, Result, bail};
 use candle_core::{
-    D, Device, Module, Tensor,
+    CpuStorage, D, Device, Module, Storage, Tensor,
     quantized::{GgmlDType, QMatMul, QStorage, QTensor, gguf_file},
 };
 
@@ -35,7 +35,7 @@ use super::{
     device_attention::{DeviceKv, DeviceRope, StepPlan, paged_attention_on_device},
     q8_matmul::{self, Q8Weights},
     q8_vnni::{self, VnniWeights},
-    swiglu,
+    rms_norm, swiglu,
 };
 
 /// Load-time choices.
@@ -254,10 +254,6 @@ struct Fused {
 }
 
 impl Fused {
-    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        self.split(self.whole(x)?)
-    }
-
     /// The outputs side by side, as the one matmul gives them.
     fn whole(&self, x: &Tensor) -> Result<Tensor> {
         let y = self.mm.forward(x)?;
@@ -265,6 +261,29 @@ impl Fused {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+
+    /// Each output's rows in host memory, one vector each: read in one pass from a host tensor
+    /// (where narrowing each out and copying it to a vector read everything twice), copied
+    /// from a device's.
+    fn host_parts(&self, y: Tensor) -> Result<Vec<Vec<f32>>> {
+        {
+            let (storage, layout) = y.storage_and_layout();
+            if let (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+                let row: usize = self.widths.iter().sum();
+                let rows = (end - start) / row;
+                let mut parts: Vec<Vec<f32>> = self.widths.iter().map(|&w| Vec::with_capacity(rows * w)).collect();
+                for r in v[start..end].chunks_exact(row) {
+                    let mut at = 0;
+                    for (part, &w) in parts.iter_mut().zip(&self.widths) {
+                        part.extend_from_slice(&r[at..at + w]);
+                        at += w;
+                    }
+                }
+                return Ok(parts);
+            }
+        }
+        self.split(y)?.iter().map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?)).collect()
     }
 
     /// Each output on its own.
@@ -556,7 +575,7 @@ impl LlamaModel {
 fn per_head_norm(x: &Tensor, weight: &Tensor, head_dim: usize, eps: f32) -> Result<Tensor> {
     let (t, w) = x.dims2()?;
     let heads = x.reshape((t * w / head_dim, head_dim))?;
-    Ok(candle_nn::ops::rms_norm(&heads, weight, eps)?.reshape((t, w))?)
+    Ok(rms_norm::rms_norm(&heads, weight, eps)?.reshape((t, w))?)
 }
 
 /// What every layer of one forward step shares.
@@ -578,30 +597,41 @@ impl Layer {
 
     fn attend(&self, x: &Tensor, rows: &[BatchRow<'_>], kv: LayerStore<'_>, step: &Step<'_>) -> Result<Tensor> {
         let (heads, eps) = (step.heads, step.eps);
-        let h = candle_nn::ops::rms_norm(x, &self.attn_norm, eps)?;
-        let mut qkv = self.qkv.forward(&h)?;
-        if let Some(n) = &self.qk_norms {
-            qkv[0] = per_head_norm(&qkv[0], &n.q, heads.head_dim, eps)?;
-            qkv[1] = per_head_norm(&qkv[1], &n.k, heads.head_dim, eps)?;
-        }
+        let h = rms_norm::rms_norm(x, &self.attn_norm, eps)?;
+        let qkv = self.qkv.whole(&h)?;
         let shape = Attention { heads, scale: step.scale, window: self.window };
         // Global layers take the first rope table, sliding-window layers the second.
         let table = usize::from(self.window.is_some());
         let attn = match kv {
-            LayerStore::Host(kv) => host_attention(rows, &qkv, kv, shape, &step.ropes[table], step.device)?,
+            LayerStore::Host(kv) => {
+                let [mut q, mut k, v]: [Vec<f32>; 3] =
+                    self.qkv.host_parts(qkv)?.try_into().map_err(|_| anyhow::anyhow!("q, k and v"))?;
+                if let Some(n) = &self.qk_norms {
+                    q = rms_norm::rows(&q, &n.q.to_vec1::<f32>()?, eps);
+                    k = rms_norm::rows(&k, &n.k.to_vec1::<f32>()?, eps);
+                }
+                let n_tok = q.len() / (heads.n_head * heads.head_dim);
+                let attn = paged_attention(rows, &mut q, &mut k, &v, kv, shape, &step.ropes[table]);
+                Tensor::from_vec(attn, (n_tok, heads.n_head * heads.head_dim), step.device)?
+            }
             LayerStore::Device { kv, plan } => {
+                let mut qkv = self.qkv.split(qkv)?;
+                if let Some(n) = &self.qk_norms {
+                    qkv[0] = per_head_norm(&qkv[0], &n.q, heads.head_dim, eps)?;
+                    qkv[1] = per_head_norm(&qkv[1], &n.k, heads.head_dim, eps)?;
+                }
                 paged_attention_on_device(plan, &qkv[0], &qkv[1], &qkv[2], kv, shape, plan.rope(table))?
             }
         };
         let o = self.wo.forward(&attn)?;
         match &self.post_norms {
-            Some(n) => Ok(candle_nn::ops::rms_norm(&o, &n.attention, eps)?),
+            Some(n) => Ok(rms_norm::rms_norm(&o, &n.attention, eps)?),
             None => Ok(o),
         }
     }
 
     fn mlp(&self, x: &Tensor, step: &Step<'_>) -> Result<Tensor> {
-        let h = candle_nn::ops::rms_norm(x, &self.ffn_norm, step.eps)?;
+        let h = rms_norm::rms_norm(x, &self.ffn_norm, step.eps)?;
         let gu = self.gate_up.whole(&h)?;
         let gated = match step.activation {
             // One pass over the fused output, candle's bits (see `swiglu`).
@@ -613,29 +643,10 @@ impl Layer {
         };
         let d = self.down.forward(&gated)?;
         match &self.post_norms {
-            Some(n) => Ok(candle_nn::ops::rms_norm(&d, &n.ffn, step.eps)?),
+            Some(n) => Ok(rms_norm::rms_norm(&d, &n.ffn, step.eps)?),
             None => Ok(d),
         }
     }
-}
-
-/// The host kernel's attention: q, k and v to host memory, the result back to `device`.
-fn host_attention(
-    rows: &[BatchRow<'_>],
-    qkv: &[Tensor],
-    kv: &mut LayerKv,
-    shape: Attention,
-    rope: &Rope,
-    device: &Device,
-) -> Result<Tensor> {
-    let mut q = qkv[0].flatten_all()?.to_vec1::<f32>()?;
-    let mut k = qkv[1].flatten_all()?.to_vec1::<f32>()?;
-    let v = qkv[2].flatten_all()?.to_vec1::<f32>()?;
-    let q_w = shape.heads.n_head * shape.heads.head_dim;
-    let n_tok = q.len() / q_w;
-    debug_assert_eq!(k.len(), n_tok * shape.heads.n_kv_head * shape.heads.head_dim);
-    let attn = paged_attention(rows, &mut q, &mut k, &v, kv, shape, rope);
-    Ok(Tensor::from_vec(attn, (n_tok, q_w), device)?)
 }
 
 /// The share of a GPU's memory, free once the weights are loaded, that the KV pool takes when no
@@ -749,7 +760,7 @@ impl Backend for LlamaModel {
         }
         let n_last = last.len();
         let x = x.index_select(&Tensor::from_vec(last, n_last, &self.device)?, 0)?;
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, self.cfg.rms_eps)?;
+        let x = rms_norm::rms_norm(&x, &self.norm, self.cfg.rms_eps)?;
         let logits = self.lm_head.forward(&x)?;
         Ok(logits.to_vec2::<f32>()?)
     }

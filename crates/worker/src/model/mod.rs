@@ -10,6 +10,8 @@ pub mod device_attention;
 pub mod llama;
 pub mod q8_matmul;
 pub mod q8_vnni;
+pub mod rms_norm;
+mod rows;
 pub mod sim;
 pub mod swiglu;
 

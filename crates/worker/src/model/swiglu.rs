@@ -15,10 +15,6 @@
 use anyhow::{Result, ensure};
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 
-/// Outputs below which a step runs on the calling thread (candle's own threshold for its
-/// element-wise ops).
-const PARALLEL_MIN: usize = 64 * 1024;
-
 /// `silu(y[.., ..width]) * y[.., width..]` for `y` of shape `(rows, 2 * width)`: shape
 /// `(rows, width)`. Host tensors of f32 take the one pass; any other (a device's) takes candle's ops.
 pub fn silu_gate(y: &Tensor, width: usize) -> Result<Tensor> {
@@ -42,25 +38,13 @@ pub fn silu_gate(y: &Tensor, width: usize) -> Result<Tensor> {
 
 /// The gated values of rows of `[gate | up]`, many rows split across candle's pool.
 fn gate(y: &[f32], width: usize) -> Vec<f32> {
-    let rows = y.len() / (2 * width);
-    let mut out = vec![0f32; rows * width];
-    let at = out.as_mut_ptr() as usize;
-    let work = |range: std::ops::Range<usize>| {
-        // SAFETY: rows `range` of `out` belong to this call alone, and lie inside it.
-        let dst =
-            unsafe { std::slice::from_raw_parts_mut((at as *mut f32).add(range.start * width), range.len() * width) };
+    super::rows::map_rows(y.len() / (2 * width), width, |range, dst| {
         let src = &y[range.start * 2 * width..range.end * 2 * width];
         for (o, row) in dst.chunks_exact_mut(width).zip(src.chunks_exact(2 * width)) {
             let (g, u) = row.split_at(width);
             gate_row(g, u, o);
         }
-    };
-    if rows * width < PARALLEL_MIN {
-        work(0..rows);
-    } else {
-        candle_core::utils::barrier_pool().execute_chunked(rows, work);
-    }
-    out
+    })
 }
 
 /// `o = g / (1 + exp(-g)) * u`, element by element.
