@@ -631,17 +631,28 @@ fn rows_mut<const R: usize>(run: &mut [f32], n: usize, cols: std::ops::Range<usi
     from_fn(|_| &mut rows.next().expect("a row for each head")[cols.clone()])
 }
 
-/// The output of a step, written by many tasks at once, each to its own places.
+/// The output of a step, written by many tasks at once, each to its own places: each zeroes its
+/// places first (`zero`), then adds into them (`slice`).
 struct DisjointOut {
     ptr: *mut f32,
     len: usize,
 }
 
-// SAFETY: tasks only write through `slice`, whose contract keeps their regions apart.
+// SAFETY: tasks only write through `zero` and `slice`, whose contracts keep their regions apart.
 unsafe impl Sync for DisjointOut {}
 
 impl DisjointOut {
-    /// SAFETY: no other live slice from this value may overlap `start..start + len`.
+    /// Zero `start..start + len`, which may not be initialized yet.
+    ///
+    /// SAFETY: no live slice from this value may overlap `start..start + len`.
+    unsafe fn zero(&self, start: usize, len: usize) {
+        assert!(start + len <= self.len, "inside the output");
+        // SAFETY: in bounds (asserted); exclusive by the caller's contract.
+        unsafe { self.ptr.add(start).write_bytes(0, len) }
+    }
+
+    /// SAFETY: `start..start + len` was zeroed (or written); no other live slice from this value
+    /// may overlap it.
     #[allow(clippy::mut_from_ref)] // the caller's contract is what makes this sound
     unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
         assert!(start + len <= self.len, "inside the output");
@@ -688,7 +699,9 @@ pub fn paged_attention(
 
     let scale = shape.scale;
     let group = n_head / n_kv_head;
-    let mut out = vec![0f32; q.len()];
+    // Not zeroed here: each task zeroes its own part (a memset of the whole output was work for
+    // one thread while the others waited).
+    let mut out = Vec::<f32>::with_capacity(q.len());
     let kv = &*kv;
     // Tiles of up to QUERY_TILE consecutive tokens of one row: (row, first token index, tokens).
     let mut tiles = Vec::new();
@@ -699,7 +712,7 @@ pub fn paged_attention(
         }
         t0 += row.tokens.len();
     }
-    let shared = DisjointOut { ptr: out.as_mut_ptr(), len: out.len() };
+    let shared = DisjointOut { ptr: out.as_mut_ptr(), len: q.len() };
     // One task per (tile, KV head), the latest tiles (the most positions) first. The tile's
     // queries of every head in the group take each K/V block in turn while it is in cache.
     let task = |i: usize, scores: &mut Vec<f32>| {
@@ -707,6 +720,11 @@ pub fn paged_attention(
         let g = i % n_kv_head;
         let p0 = token_pos[t0].1;
         let n_max = p0 + m;
+        for j in 0..m {
+            // SAFETY: the heads of KV group g of token t0 + j are this task's alone (and
+            // contiguous); no slice of them lives yet.
+            unsafe { shared.zero((t0 + j) * q_row + g * group * hd, group * hd) };
+        }
         let paged = PagedRows { blocks: rows[r].blocks, block_size, stride: kv_row, head: g * hd };
         // Query j sees positions visible(p0 + j); of the block run (p, len), the part
         // (first, count) lies there, `first` counted from p.
@@ -778,7 +796,8 @@ pub fn paged_attention(
                 if count == 0 {
                     continue;
                 }
-                // SAFETY: head (g * group + h) of token t0 + j belongs to this task alone.
+                // SAFETY: head (g * group + h) of token t0 + j belongs to this task alone, and
+                // was zeroed at its start.
                 let o = |h: usize| unsafe { shared.slice((t0 + j) * q_row + (g * group + h) * hd, hd) };
                 let w = |h: usize| &scores[(j * group + h) * n_max + p + first..][..count];
                 let values = off + first * kv_row;
@@ -800,6 +819,9 @@ pub fn paged_attention(
     };
     let work: usize = token_pos.iter().map(|&(_, p)| seen(p)).sum::<usize>() * n_head * hd;
     run_tasks(tiles.len() * n_kv_head, work >= PARALLEL_MIN_WORK, task);
+    // SAFETY: the tasks zeroed, then added into, every (token, head): each of the tiles, which
+    // cover every token, ran once for each KV group, which together hold every head.
+    unsafe { out.set_len(q.len()) };
     out
 }
 

@@ -12,19 +12,29 @@ use std::ops::Range;
 const PARALLEL_MIN: usize = 64 * 1024;
 
 /// A new `rows × width` buffer whose rows `f(range, out)` fills, `out` being rows `range` of it:
-/// on the calling thread for little work, else split across candle's pool.
+/// on the calling thread for little work, else split across candle's pool. Each call zeroes its
+/// own rows just before `f` writes them (a memset of the whole buffer up front was 2% of a
+/// prefill's samples, on one thread while the others waited).
 pub fn map_rows(rows: usize, width: usize, f: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
-    let mut out = vec![0f32; rows * width];
-    if rows * width < PARALLEL_MIN {
-        f(0..rows, &mut out);
-        return out;
-    }
+    let mut out = Vec::<f32>::with_capacity(rows * width);
     let at = out.as_mut_ptr() as usize;
-    candle_core::utils::barrier_pool().execute_chunked(rows, |range: Range<usize>| {
-        // SAFETY: rows `range` of `out` belong to this call alone, and lie inside it.
-        let dst =
-            unsafe { std::slice::from_raw_parts_mut((at as *mut f32).add(range.start * width), range.len() * width) };
+    let fill = |range: Range<usize>| {
+        let len = range.len() * width;
+        // SAFETY: rows `range` lie inside the capacity and belong to this call alone; they are
+        // zeroed (every bit pattern of an f32 is valid) before the slice is made.
+        let dst = unsafe {
+            let p = (at as *mut f32).add(range.start * width);
+            p.write_bytes(0, len);
+            std::slice::from_raw_parts_mut(p, len)
+        };
         f(range, dst)
-    });
+    };
+    if rows * width < PARALLEL_MIN {
+        fill(0..rows);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(rows, fill);
+    }
+    // SAFETY: the calls together zeroed (then filled) every row.
+    unsafe { out.set_len(rows * width) };
     out
 }
