@@ -50,6 +50,9 @@ const GROUP: usize = 4;
 /// Most rows a pass keeps in registers (three each: two integer chains for the block and the
 /// row's running f32 sums).
 const MAX_ROWS: usize = 8;
+/// Passes one work item runs against its tile: the item's setup (the tile's slices, the dispatch)
+/// is paid once for them all.
+const ITEM_PASSES: usize = 4;
 
 /// Whether this CPU runs the kernels, AVX-512 F, BW and VNNI (checked at run time: the build
 /// targets x86-64-v3).
@@ -175,39 +178,36 @@ impl VnniWeights {
         Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
     }
 
-    /// Work items: (column tile, pass of up to eight rows), tile-major, so one thread's consecutive
-    /// items reuse a tile's weights from L1; split across candle's pool. `out` has room for `m × n`
-    /// floats; the items together write every one of them.
+    /// Work items: (column tile, up to [`ITEM_PASSES`] passes of up to eight rows), tile-major, so
+    /// one thread's consecutive items reuse a tile's weights from L1; split across candle's pool.
+    /// `out` has room for `m × n` floats; the items together write every one of them.
     fn matmul(&self, rows: &QuantRows, m: usize, out: *mut f32) {
         let tiles = self.n.div_ceil(TILE);
-        let passes = m.div_ceil(MAX_ROWS);
+        let spans = m.div_ceil(MAX_ROWS * ITEM_PASSES);
         let out_at = out as usize;
         let work = |items: std::ops::Range<usize>| {
             for item in items {
-                let (tile, pass) = (item / passes, item % passes);
-                let first = pass * MAX_ROWS;
-                let count = MAX_ROWS.min(m - first);
+                let (tile, span) = (item / spans, item % spans);
+                let first = span * MAX_ROWS * ITEM_PASSES;
+                let count = (MAX_ROWS * ITEM_PASSES).min(m - first);
                 // SAFETY: each (row, column) of `out` belongs to exactly one item; the kernel
                 // writes only the columns below `n` of its rows. `available` was checked before
                 // any `VnniWeights` was made.
-                unsafe { self.pass(rows, first, count, tile, out_at as *mut f32) };
+                unsafe { self.passes(rows, first..first + count, tile, out_at as *mut f32) };
             }
         };
-        candle_core::utils::barrier_pool().execute_chunked(tiles * passes, work);
+        candle_core::utils::barrier_pool().execute_chunked(tiles * spans, work);
     }
 
-    /// Rows `first..first + count` (at most `MAX_ROWS`) against one tile.
+    /// Rows `rows` against one tile, eight at a time.
     ///
     /// # Safety
     /// The CPU has AVX-512 F, BW and VNNI; `out` points to an `m × n` buffer no other thread writes
     /// these elements of.
-    unsafe fn pass(&self, rows: &QuantRows, first: usize, count: usize, tile: usize, out: *mut f32) {
+    unsafe fn passes(&self, x: &QuantRows, rows: std::ops::Range<usize>, tile: usize, out: *mut f32) {
         let nb = self.k / BLOCK;
         let span = tile * nb..(tile + 1) * nb;
-        let x = rows.range(first, count);
         let cols = TILE.min(self.n - tile * TILE);
-        // SAFETY: the caller's promise; row `first + r`'s columns of this tile start here.
-        let dst = unsafe { out.add(first * self.n + tile * TILE) };
         let w = match &self.format {
             Format::Q8_0 { quants, scales } => {
                 TileRef { quants: quants[span.clone()].as_flattened(), scales: &scales[span], mins: &[] }
@@ -219,18 +219,24 @@ impl VnniWeights {
             },
         };
         let nibbles = matches!(self.format, Format::Q4_1 { .. });
-        /// The kernel for `count` rows and the format, compile-time constants in each arm.
-        macro_rules! by_rows {
-            ($($rows:literal)*) => {
-                match (count, nibbles) {
-                    // SAFETY: as above, for each arm.
-                    $(($rows, false) => unsafe { kernel::<$rows, false>(w, x, dst, self.n, cols) },
-                    ($rows, true) => unsafe { kernel::<$rows, true>(w, x, dst, self.n, cols) },)*
-                    _ => unreachable!("a pass has 1 to {MAX_ROWS} rows"),
-                }
-            };
+        for first in rows.clone().step_by(MAX_ROWS) {
+            let count = MAX_ROWS.min(rows.end - first);
+            let x = x.range(first, count);
+            // SAFETY: the caller's promise; row `first + r`'s columns of this tile start here.
+            let dst = unsafe { out.add(first * self.n + tile * TILE) };
+            /// The kernel for `count` rows and the format, compile-time constants in each arm.
+            macro_rules! by_rows {
+                ($($rows:literal)*) => {
+                    match (count, nibbles) {
+                        // SAFETY: as above, for each arm.
+                        $(($rows, false) => unsafe { kernel::<$rows, false>(w, x, dst, self.n, cols) },
+                        ($rows, true) => unsafe { kernel::<$rows, true>(w, x, dst, self.n, cols) },)*
+                        _ => unreachable!("a pass has 1 to {MAX_ROWS} rows"),
+                    }
+                };
+            }
+            by_rows!(1 2 3 4 5 6 7 8)
         }
-        by_rows!(1 2 3 4 5 6 7 8)
     }
 }
 
