@@ -607,6 +607,123 @@ unsafe fn weighted_tile_avx512<const R: usize>(
     }
 }
 
+/// The queries one attention task serves: `m` consecutive tokens' heads of one KV group, and
+/// their score rows (`m × group` rows of `n_max`, token-major). For a block every query sees
+/// whole, the kernels run for all of them in one call here: the slices, checks and dispatch
+/// that the general path makes for every query and block were a third of the key kernel's time.
+struct QueryTile<'a> {
+    q: &'a [f32],
+    /// Where the first token's first head of the group starts in `q`.
+    first: usize,
+    q_row: usize,
+    hd: usize,
+    m: usize,
+    group: usize,
+    n_max: usize,
+}
+
+impl QueryTile<'_> {
+    /// Every query's scores against the block's `len` slots at positions `p..`: [`qk_block`]'s
+    /// bits (on AVX-512 its kernel, with the bounds checked once for the whole tile).
+    fn scores(&self, keys: &[f32], block_size: usize, p: usize, len: usize, scale: f32, scores: &mut [f32]) {
+        let (n_max, hd, group) = (self.n_max, self.hd, self.group);
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            assert!(len <= block_size && keys.len() >= hd * block_size, "slots inside the block's keys");
+            assert!(p + len <= n_max && scores.len() >= self.m * group * n_max, "scores inside the rows");
+            assert!(self.first + (self.m - 1) * self.q_row + group * hd <= self.q.len(), "queries inside q");
+            let (q, s) = (self.q.as_ptr(), scores.as_mut_ptr());
+            for j in 0..self.m {
+                for (h, n) in head_runs(group) {
+                    // SAFETY: AVX-512F is present (checked at run time); each q row and score
+                    // row lies inside its buffer (asserted above), the score rows are distinct.
+                    unsafe {
+                        let qr = |i: usize| q.add(self.first + j * self.q_row + (h + i) * hd);
+                        let sr = |i: usize| s.add((j * group + h + i) * n_max + p);
+                        match n {
+                            3 => qk_block_avx512::<3>(
+                                from_fn(qr),
+                                keys.as_ptr(),
+                                block_size,
+                                hd,
+                                0..len,
+                                scale,
+                                from_fn(sr),
+                            ),
+                            2 => qk_block_avx512::<2>(
+                                from_fn(qr),
+                                keys.as_ptr(),
+                                block_size,
+                                hd,
+                                0..len,
+                                scale,
+                                from_fn(sr),
+                            ),
+                            _ => qk_block_avx512::<1>([qr(0)], keys.as_ptr(), block_size, hd, 0..len, scale, [sr(0)]),
+                        }
+                    }
+                }
+            }
+            return;
+        }
+        for (j, heads) in scores.chunks_mut(group * n_max).take(self.m).enumerate() {
+            let q = |h: usize| &self.q[self.first + j * self.q_row + h * hd..][..hd];
+            for (h, n) in head_runs(group) {
+                let run = &mut heads[h * n_max..(h + n) * n_max];
+                let cols = p..p + len;
+                match n {
+                    3 => qk_block::<3>(
+                        from_fn(|i| q(h + i)),
+                        keys,
+                        block_size,
+                        0..len,
+                        scale,
+                        rows_mut(run, n_max, cols),
+                    ),
+                    2 => qk_block::<2>(
+                        from_fn(|i| q(h + i)),
+                        keys,
+                        block_size,
+                        0..len,
+                        scale,
+                        rows_mut(run, n_max, cols),
+                    ),
+                    _ => qk_block::<1>([q(h)], keys, block_size, 0..len, scale, rows_mut(run, n_max, cols)),
+                }
+            }
+        }
+    }
+
+    /// Every query's outputs plus its weights of the block's `len` value rows (the first at
+    /// `values[off..]`, rows `stride` apart) for positions `p..`: [`weighted_run`] for each.
+    /// `out` is laid out as `q` (the task's heads, zeroed at its start, its own).
+    #[allow(clippy::too_many_arguments)]
+    fn weigh(
+        &self,
+        scores: &[f32],
+        values: &[f32],
+        off: usize,
+        stride: usize,
+        p: usize,
+        len: usize,
+        out: &DisjointOut,
+    ) {
+        let (n_max, hd, group) = (self.n_max, self.hd, self.group);
+        for j in 0..self.m {
+            // SAFETY: the task's heads of token j: its own, zeroed at its start (the caller's).
+            let o = |h: usize| unsafe { out.slice(self.first + j * self.q_row + h * hd, hd) };
+            let w = |h: usize| &scores[(j * group + h) * n_max + p..][..len];
+            for (h, n) in head_runs(group) {
+                match n {
+                    3 => weighted_run::<3>(from_fn(|i| w(h + i)), values, off, stride, from_fn(|i| o(h + i))),
+                    2 => weighted_run::<2>(from_fn(|i| w(h + i)), values, off, stride, from_fn(|i| o(h + i))),
+                    _ => weighted_run::<1>([w(h)], values, off, stride, [o(h)]),
+                }
+            }
+        }
+    }
+}
+
 /// A KV group's heads as runs `(first head, heads)` that the kernels serve together, sharing each
 /// key and value load: threes, and pairs where a three would leave a head alone (4 = 2 + 2); a
 /// lone head only in a group of one. (A lone head's kernel has half a pair's independent chains
@@ -733,6 +850,10 @@ pub fn paged_attention(
             let (a, b) = (p.max(lo), (p + len).min(hi));
             (a - p, b.saturating_sub(a))
         };
+        // A block every query of the tile sees whole (all but the diagonal's and a window's
+        // edge): its kernels run for all of them at once (lo and hi grow with j).
+        let whole = |p: usize, len: usize| part(0, p, len) == (0, len) && part(m - 1, p, len) == (0, len);
+        let tile = QueryTile { q, first: t0 * q_row + g * group * hd, q_row, hd, m, group, n_max };
         // Every score a query sees is written below; softmax_rows needs zeros around them. So
         // zero only those (a whole new buffer each task was a memset of every score).
         scores.resize(m * group * n_max, 0.0);
@@ -750,6 +871,10 @@ pub fn paged_attention(
                 prefetch(&kv.k, next, hd * block_size);
             }
             let keys = &kv.k[off..off + hd * block_size];
+            if whole(p, len) {
+                tile.scores(keys, block_size, p, len, scale, scores);
+                continue;
+            }
             for j in 0..m {
                 let (first, count) = part(j, p, len);
                 if count == 0 {
@@ -790,6 +915,10 @@ pub fn paged_attention(
             // The next block's value rows of this KV head likewise.
             if let Some(&(_, next, rows)) = value_runs.peek() {
                 (0..rows).for_each(|s| prefetch(&kv.v, next + s * kv_row, hd));
+            }
+            if whole(p, len) {
+                tile.weigh(scores, &kv.v, off, kv_row, p, len, &shared);
+                continue;
             }
             for j in 0..m {
                 let (first, count) = part(j, p, len);
