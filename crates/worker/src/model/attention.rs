@@ -609,8 +609,9 @@ unsafe fn weighted_tile_avx512<const R: usize>(
 
 /// The queries one attention task serves: `m` consecutive tokens' heads of one KV group, and
 /// their score rows (`m × group` rows of `n_max`, token-major). For a block every query sees
-/// whole, the kernels run for all of them in one call here: the slices, checks and dispatch
-/// that the general path makes for every query and block were a third of the key kernel's time.
+/// whole, the key kernel runs for all of them in one call ([`QueryTile::scores`]): the slices,
+/// checks and dispatch that the per-query path makes for every query and block were a third of
+/// that kernel's time.
 struct QueryTile<'a> {
     q: &'a [f32],
     /// Where the first token's first head of the group starts in `q`.
@@ -666,59 +667,66 @@ impl QueryTile<'_> {
             }
             return;
         }
-        for (j, heads) in scores.chunks_mut(group * n_max).take(self.m).enumerate() {
-            let q = |h: usize| &self.q[self.first + j * self.q_row + h * hd..][..hd];
-            for (h, n) in head_runs(group) {
-                let run = &mut heads[h * n_max..(h + n) * n_max];
-                let cols = p..p + len;
-                match n {
-                    3 => qk_block::<3>(
-                        from_fn(|i| q(h + i)),
-                        keys,
-                        block_size,
-                        0..len,
-                        scale,
-                        rows_mut(run, n_max, cols),
-                    ),
-                    2 => qk_block::<2>(
-                        from_fn(|i| q(h + i)),
-                        keys,
-                        block_size,
-                        0..len,
-                        scale,
-                        rows_mut(run, n_max, cols),
-                    ),
-                    _ => qk_block::<1>([q(h)], keys, block_size, 0..len, scale, rows_mut(run, n_max, cols)),
-                }
+        for j in 0..self.m {
+            self.query_scores(j, keys, block_size, p, 0..len, scale, scores);
+        }
+    }
+
+    /// Query `j`'s scores against the block's slots `slots` (the block's first at position `p`),
+    /// its group's heads in runs that read the same keys: [`qk_block`] for each run.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn query_scores(
+        &self,
+        j: usize,
+        keys: &[f32],
+        block_size: usize,
+        p: usize,
+        slots: Range<usize>,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let (n_max, hd, group) = (self.n_max, self.hd, self.group);
+        let q = |h: usize| &self.q[self.first + j * self.q_row + h * hd..][..hd];
+        let heads = &mut scores[j * group * n_max..(j + 1) * group * n_max];
+        let cols = p + slots.start..p + slots.end;
+        for (h, n) in head_runs(group) {
+            let run = &mut heads[h * n_max..(h + n) * n_max];
+            let (slots, cols) = (slots.clone(), cols.clone());
+            match n {
+                3 => qk_block::<3>(from_fn(|i| q(h + i)), keys, block_size, slots, scale, rows_mut(run, n_max, cols)),
+                2 => qk_block::<2>(from_fn(|i| q(h + i)), keys, block_size, slots, scale, rows_mut(run, n_max, cols)),
+                _ => qk_block::<1>([q(h)], keys, block_size, slots, scale, rows_mut(run, n_max, cols)),
             }
         }
     }
 
-    /// Every query's outputs plus its weights of the block's `len` value rows (the first at
-    /// `values[off..]`, rows `stride` apart) for positions `p..`: [`weighted_run`] for each.
-    /// `out` is laid out as `q` (the task's heads, zeroed at its start, its own).
+    /// Query `j`'s outputs plus its weights of the block's value rows `slots` (the block's first
+    /// row at `values[off..]` and position `p`, rows `stride` apart): [`weighted_run`] for each run
+    /// of heads. `out` is laid out as `q` (the task's heads, zeroed at its start, its own).
     #[allow(clippy::too_many_arguments)]
-    fn weigh(
+    #[inline]
+    fn query_weigh(
         &self,
+        j: usize,
         scores: &[f32],
         values: &[f32],
         off: usize,
         stride: usize,
         p: usize,
-        len: usize,
+        slots: Range<usize>,
         out: &DisjointOut,
     ) {
         let (n_max, hd, group) = (self.n_max, self.hd, self.group);
-        for j in 0..self.m {
-            // SAFETY: the task's heads of token j: its own, zeroed at its start (the caller's).
-            let o = |h: usize| unsafe { out.slice(self.first + j * self.q_row + h * hd, hd) };
-            let w = |h: usize| &scores[(j * group + h) * n_max + p..][..len];
-            for (h, n) in head_runs(group) {
-                match n {
-                    3 => weighted_run::<3>(from_fn(|i| w(h + i)), values, off, stride, from_fn(|i| o(h + i))),
-                    2 => weighted_run::<2>(from_fn(|i| w(h + i)), values, off, stride, from_fn(|i| o(h + i))),
-                    _ => weighted_run::<1>([w(h)], values, off, stride, [o(h)]),
-                }
+        // SAFETY: the task's heads of token j: its own, zeroed at its start (the caller's).
+        let o = |h: usize| unsafe { out.slice(self.first + j * self.q_row + h * hd, hd) };
+        let w = |h: usize| &scores[(j * group + h) * n_max + p + slots.start..][..slots.len()];
+        let first_row = off + slots.start * stride;
+        for (h, n) in head_runs(group) {
+            match n {
+                3 => weighted_run::<3>(from_fn(|i| w(h + i)), values, first_row, stride, from_fn(|i| o(h + i))),
+                2 => weighted_run::<2>(from_fn(|i| w(h + i)), values, first_row, stride, from_fn(|i| o(h + i))),
+                _ => weighted_run::<1>([w(h)], values, first_row, stride, [o(h)]),
             }
         }
     }
@@ -851,7 +859,7 @@ pub fn paged_attention(
             (a - p, b.saturating_sub(a))
         };
         // A block every query of the tile sees whole (all but the diagonal's and a window's
-        // edge): its kernels run for all of them at once (lo and hi grow with j).
+        // edge): its key kernel runs for all of them at once (lo and hi grow with j).
         let whole = |p: usize, len: usize| part(0, p, len) == (0, len) && part(m - 1, p, len) == (0, len);
         let tile = QueryTile { q, first: t0 * q_row + g * group * hd, q_row, hd, m, group, n_max };
         // Every score a query sees is written below; softmax_rows needs zeros around them. So
@@ -877,35 +885,8 @@ pub fn paged_attention(
             }
             for j in 0..m {
                 let (first, count) = part(j, p, len);
-                if count == 0 {
-                    continue;
-                }
-                let qv = |h: usize| &q[(t0 + j) * q_row + (g * group + h) * hd..][..hd];
-                let (slots, cols) = (first..first + count, p + first..p + first + count);
-                // The group's heads of token j in runs that read the same keys.
-                let heads = &mut scores[j * group * n_max..(j + 1) * group * n_max];
-                for (h, n) in head_runs(group) {
-                    let run = &mut heads[h * n_max..(h + n) * n_max];
-                    let (slots, cols) = (slots.clone(), cols.clone());
-                    match n {
-                        3 => qk_block::<3>(
-                            from_fn(|i| qv(h + i)),
-                            keys,
-                            block_size,
-                            slots,
-                            scale,
-                            rows_mut(run, n_max, cols),
-                        ),
-                        2 => qk_block::<2>(
-                            from_fn(|i| qv(h + i)),
-                            keys,
-                            block_size,
-                            slots,
-                            scale,
-                            rows_mut(run, n_max, cols),
-                        ),
-                        _ => qk_block::<1>([qv(h)], keys, block_size, slots, scale, rows_mut(run, n_max, cols)),
-                    }
+                if count > 0 {
+                    tile.query_scores(j, keys, block_size, p, first..first + count, scale, scores);
                 }
             }
         }
@@ -916,27 +897,11 @@ pub fn paged_attention(
             if let Some(&(_, next, rows)) = value_runs.peek() {
                 (0..rows).for_each(|s| prefetch(&kv.v, next + s * kv_row, hd));
             }
-            if whole(p, len) {
-                tile.weigh(scores, &kv.v, off, kv_row, p, len, &shared);
-                continue;
-            }
+            let seen_whole = whole(p, len);
             for j in 0..m {
-                let (first, count) = part(j, p, len);
-                if count == 0 {
-                    continue;
-                }
-                // SAFETY: head (g * group + h) of token t0 + j belongs to this task alone, and
-                // was zeroed at its start.
-                let o = |h: usize| unsafe { shared.slice((t0 + j) * q_row + (g * group + h) * hd, hd) };
-                let w = |h: usize| &scores[(j * group + h) * n_max + p + first..][..count];
-                let values = off + first * kv_row;
-                // The same runs of heads as for the scores.
-                for (h, n) in head_runs(group) {
-                    match n {
-                        3 => weighted_run::<3>(from_fn(|i| w(h + i)), &kv.v, values, kv_row, from_fn(|i| o(h + i))),
-                        2 => weighted_run::<2>(from_fn(|i| w(h + i)), &kv.v, values, kv_row, from_fn(|i| o(h + i))),
-                        _ => weighted_run::<1>([w(h)], &kv.v, values, kv_row, [o(h)]),
-                    }
+                let (first, count) = if seen_whole { (0, len) } else { part(j, p, len) };
+                if count > 0 {
+                    tile.query_weigh(j, scores, &kv.v, off, kv_row, p, first..first + count, &shared);
                 }
             }
         }

@@ -43,11 +43,11 @@ pub fn rows(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     super::rows::map_rows(x.len() / n, n, |range, dst| {
         let src = &x[range.start * n..range.end * n];
         let group = SIDE_BY_SIDE * n;
-        let (whole, rest) = (src.len() / group * group, src.len() % group);
+        let whole = src.len() / group * group;
         for (s, d) in src[..whole].chunks_exact(group).zip(dst.chunks_exact_mut(group)) {
             scale_rows(s, weight, sums_of_squares::<SIDE_BY_SIDE>(s, n), eps, d);
         }
-        for (s, d) in src[whole..][..rest].chunks_exact(n).zip(dst[whole..].chunks_exact_mut(n)) {
+        for (s, d) in src[whole..].chunks_exact(n).zip(dst[whole..].chunks_exact_mut(n)) {
             scale_rows(s, weight, sums_of_squares::<1>(s, n), eps, d);
         }
     })
