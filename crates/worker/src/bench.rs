@@ -63,6 +63,12 @@ pub struct BenchArgs {
     /// Which ITL cases to run.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "governed,chunked,unchunked")]
     pub itl_cases: Vec<ItlCase>,
+    /// Sampling temperature of the decode and batch benchmarks' streams (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus (top-p) of the decode and batch benchmarks' streams, when they sample.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
 }
 
 /// The scheduling cases of the ITL benchmark.
@@ -87,6 +93,17 @@ struct Trace {
 fn greedy(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
     let mut r = GenerateRequest::new(prompt, SamplingParams::greedy(), max_tokens);
     r.ignore_eos = true;
+    r
+}
+
+/// A decode benchmark's stream: greedy, or sampled as `--temperature` and `--top-p` say (seeded,
+/// so runs repeat).
+fn decode_request(prompt: Vec<u32>, a: &BenchArgs, seed: u64) -> GenerateRequest {
+    let mut r = greedy(prompt, a.decode_tokens);
+    if a.temperature > 0.0 {
+        r.params =
+            SamplingParams { temperature: a.temperature, top_p: a.top_p, seed: Some(seed), ..Default::default() };
+    }
     r
 }
 
@@ -217,7 +234,7 @@ fn bench_decode(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     let prompt = ctx.tok.encode("Once upon a time", false)?;
     let mut rates = Vec::new();
     for _ in 0..a.repeat {
-        let t = run_stream(&engine.handle(), greedy(prompt.clone(), a.decode_tokens), None)?;
+        let t = run_stream(&engine.handle(), decode_request(prompt.clone(), a, 0), None)?;
         let span = (*t.tokens.last().context("no tokens")? - t.tokens[0]).as_secs_f64();
         rates.push((t.tokens.len() - 1) as f64 / span);
     }
@@ -327,7 +344,9 @@ fn bench_batch(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
             let prompts: Vec<Vec<u32>> = (0..c)
                 .map(|i| ctx.tok.encode(&format!("Story {r}-{i}: Once upon a time"), false))
                 .collect::<Result<_>>()?;
-            rates.push(steady_decode(&engine.handle(), &prompts, |p| greedy(p, a.decode_tokens))?.0);
+            let seed = std::sync::atomic::AtomicU64::new(0);
+            let make = |p| decode_request(p, a, seed.fetch_add(1, Ordering::Relaxed));
+            rates.push(steady_decode(&engine.handle(), &prompts, make)?.0);
         }
         let agg = median(rates);
         rows.push(json!({ "streams": c, "aggregate_tok_s": agg }));

@@ -295,8 +295,9 @@ fn softmax(row: &mut [f32]) {
     row.iter_mut().for_each(|x| *x *= inv);
 }
 
-/// `exp(x - max)` of every value through [`exp8`], `max` the row's largest.
-fn exp_shifted(row: &mut [f32]) {
+/// `exp(x - max)` of every value through [`exp8`], `max` the row's largest, which it returns
+/// (the sampler's weights and log-probabilities take their exponentials here too).
+pub(crate) fn exp_shifted(row: &mut [f32]) -> f32 {
     // Max is exact in any order: eight lanes, then across them.
     let (chunks, rest) = row.as_chunks::<LANES>();
     let mut lanes = [f32::NEG_INFINITY; LANES];
@@ -326,6 +327,7 @@ fn exp_shifted(row: &mut [f32]) {
         let e = exp8(tail.map(|x| x - max));
         rest.copy_from_slice(&e[..rest.len()]);
     }
+    max
 }
 
 /// Rows whose sums [`softmax_rows`] runs side by side.
