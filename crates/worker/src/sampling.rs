@@ -122,12 +122,17 @@ impl Sampler {
     /// unless greedy: [`Sampler::replay`] relies on that.
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
         self.adjust(logits);
-        if self.params.temperature == 0.0 {
+        let p = &self.params;
+        if p.temperature == 0.0 {
             return argmax(logits);
         }
         let u: f32 = self.rng.random();
-        let (ids, weights) = candidates(logits, &self.params);
-        draw(&ids, &weights, u)
+        if p.top_k > 0 && (p.top_k as usize) < logits.len() {
+            let ids = best(logits, p.top_k as usize);
+            let mut few: Vec<f32> = ids.iter().map(|&t| logits[t as usize]).collect();
+            return ids[pick(&mut few, p, u)];
+        }
+        pick(logits, p, u) as u32
     }
 
     /// Logit bias, then the repetition, presence and frequency penalties.
@@ -150,41 +155,62 @@ impl Sampler {
     }
 }
 
-/// Best first: the larger logit, then the lower token id.
-fn by_logit(logits: &[f32], a: u32, b: u32) -> std::cmp::Ordering {
-    logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+/// A token's place in best-first order as one integer, larger first: the logit (in
+/// `f32::total_cmp`'s order) above, the lower id winning ties below.
+fn rank(logit: f32, id: u32) -> u64 {
+    let bits = logit.to_bits();
+    // total_cmp's order as unsigned: negatives' magnitude bits flipped, the sign bit flipped.
+    let ordered = if bits >> 31 == 1 { !bits } else { bits | 1 << 31 };
+    (u64::from(ordered) << 32) | u64::from(u32::MAX - id)
 }
 
-/// The tokens a sampling request may draw, in the order the draw walks them, with their weights
-/// `exp((logit - max) / temperature)` (the best weighs 1; the draw scales its uniform number by
-/// their sum, so they need no normalizing). Without top-p or min-p every token stays, in id order.
-fn candidates(logits: &[f32], p: &SamplingParams) -> (Vec<u32>, Vec<f32>) {
-    let n = logits.len();
-    let k = if p.top_k > 0 { (p.top_k as usize).min(n) } else { n };
-    let mut pool: Vec<u32> = (0..n as u32).collect();
-    if k < n {
-        pool.select_nth_unstable_by(k - 1, |&a, &b| by_logit(logits, a, b));
-        pool.truncate(k);
+/// The `k` best tokens, best first (ties to the lower id). One pass against the worst of the `k`
+/// kept so far, which nearly every token loses: about a compare per token, where selecting over
+/// the whole vocabulary moved it around several times.
+fn best(logits: &[f32], k: usize) -> Vec<u32> {
+    use std::{cmp::Reverse, collections::BinaryHeap};
+    let mut kept: BinaryHeap<Reverse<u64>> = BinaryHeap::with_capacity(k + 1);
+    for (id, &l) in logits.iter().enumerate() {
+        let r = rank(l, id as u32);
+        if kept.len() < k {
+            kept.push(Reverse(r));
+        } else if let Some(mut worst) = kept.peek_mut()
+            && r > worst.0
+        {
+            *worst = Reverse(r);
+        }
     }
-    let mut weights: Vec<f32> = pool.iter().map(|&i| logits[i as usize] / p.temperature).collect();
-    exp_shifted(&mut weights);
+    // Ascending `Reverse` is descending rank: best first.
+    kept.into_sorted_vec().into_iter().map(|Reverse(r)| u32::MAX - r as u32).collect()
+}
+
+/// The position to emit among `row`'s tokens (their logits, best first or in id order), drawn at
+/// `u` after temperature, min-p and top-p. `row` becomes the tokens' weights
+/// `exp((logit - max) / temperature)`, the best weighing 1 (the draw scales `u` by their sum, so
+/// they need no normalizing).
+fn pick(row: &mut [f32], p: &SamplingParams, u: f32) -> usize {
+    let inv = 1.0 / p.temperature;
+    row.iter_mut().for_each(|l| *l *= inv);
+    exp_shifted(row);
     if p.top_p >= 1.0 && p.min_p <= 0.0 {
-        return (pool, weights);
+        return draw(row, u);
     }
-    nucleus(logits, &pool, &weights, p)
+    let kept = nucleus(row, p);
+    let weights: Vec<f32> = kept.iter().map(|&j| row[j]).collect();
+    kept[draw(&weights, u)]
 }
 
 /// Weight thresholds the nucleus search tries, falling: tokens under a threshold are not sorted.
 const NUCLEUS_THRESHOLDS: [f32; 4] = [1e-2, 1e-4, 1e-6, 0.0];
 
-/// The best-first prefix of `pool` that top-p and min-p keep: the tokens weighing at least
-/// `min_p` (the best weighs 1), cut after the first whose running weight reaches `top_p` of the
-/// whole pool's. Sorting the whole vocabulary for this was most of a sampled token's time (49,152
-/// logits: about 3 ms, against 3.5 ms for the model's step): here only the tokens above a weight
-/// threshold are sorted, the threshold falling until they carry the `top_p` share. They are a
-/// best-first prefix of the pool (a larger logit never weighs less), so that share's prefix lies
-/// among them; a peaked distribution sorts a few hundred tokens.
-fn nucleus(logits: &[f32], pool: &[u32], weights: &[f32], p: &SamplingParams) -> (Vec<u32>, Vec<f32>) {
+/// The positions min-p and top-p keep, heaviest first (ties to the earlier position): the tokens
+/// weighing at least `min_p` (the best weighs 1), cut after the first whose running weight
+/// reaches `top_p` of the whole row's. Sorting the whole vocabulary for this was most of a sampled
+/// token's time (49,152 logits: about 3 ms, against 3.5 ms for the model's step): here only the
+/// tokens above a weight threshold are sorted, the threshold falling until they carry the `top_p`
+/// share. They are the heaviest tokens, so that share's prefix lies among them; a peaked
+/// distribution sorts a few hundred tokens.
+fn nucleus(weights: &[f32], p: &SamplingParams) -> Vec<usize> {
     let target = p.top_p * lane_sum(weights);
     let mut kept: Vec<usize> = Vec::new();
     for threshold in NUCLEUS_THRESHOLDS {
@@ -194,7 +220,7 @@ fn nucleus(logits: &[f32], pool: &[u32], weights: &[f32], p: &SamplingParams) ->
             break;
         }
     }
-    kept.sort_unstable_by(|&a, &b| by_logit(logits, pool[a], pool[b]));
+    kept.sort_unstable_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(a.cmp(&b)));
     if p.top_p < 1.0 {
         let mut acc = 0.0;
         let reached = kept.iter().position(|&j| {
@@ -204,10 +230,10 @@ fn nucleus(logits: &[f32], pool: &[u32], weights: &[f32], p: &SamplingParams) ->
         kept.truncate(reached.map_or(kept.len(), |at| at + 1));
     }
     if kept.is_empty() {
-        // Only when no weight compares (NaN logits): the best by id order's rule.
+        // Only when no weight compares (NaN logits): the first token.
         kept.push(0);
     }
-    (kept.iter().map(|&j| pool[j]).collect(), kept.iter().map(|&j| weights[j]).collect())
+    kept
 }
 
 /// Lanes summed apart, then together: a fixed order (so fixed bits) the compiler vectorizes.
@@ -223,9 +249,9 @@ fn lane_sum(v: &[f32]) -> f32 {
     lanes.iter().chain(rest).sum()
 }
 
-/// The token at `u` (uniform in [0, 1)) of the way through the candidates' total weight, walking
+/// The position at `u` (uniform in [0, 1)) of the way through the total of `weights`, walking
 /// them in order; a chunk at a time while the point lies beyond it. Zero weights are never drawn.
-fn draw(ids: &[u32], weights: &[f32], u: f32) -> u32 {
+fn draw(weights: &[f32], u: f32) -> usize {
     const CHUNK: usize = 16;
     let mut r = u * lane_sum(weights);
     let mut from = 0;
@@ -239,13 +265,13 @@ fn draw(ids: &[u32], weights: &[f32], u: f32) -> u32 {
         for (j, &w) in c.iter().enumerate() {
             r -= w;
             if r < 0.0 {
-                return ids[from + j];
+                return from + j;
             }
         }
         from += c.len();
     }
-    // Rounding left the point past the end: the last token that weighs anything.
-    ids[weights.iter().rposition(|&w| w > 0.0).unwrap_or(0)]
+    // Rounding left the point past the end: the last that weighs anything.
+    weights.iter().rposition(|&w| w > 0.0).unwrap_or(0)
 }
 
 /// `chosen`'s log-probability under the distribution of `raw` logits (log-softmax: the
@@ -264,16 +290,9 @@ pub fn logprobs(raw: &[f32], chosen: u32, top: usize) -> TokenLogprobs {
     let tail: f64 = rest.iter().map(|&x| f64::from(x)).sum();
     let lse = max + (lanes.iter().sum::<f64>() + tail).ln();
     let lp = |t: u32| (f64::from(raw[t as usize]) - lse) as f32;
-    let mut idx: Vec<u32> = (0..raw.len() as u32).collect();
-    let k = top.min(idx.len());
-    if k > 0 && k < idx.len() {
-        idx.select_nth_unstable_by(k - 1, |&a, &b| by_logit(raw, a, b));
-    }
-    idx.truncate(k);
-    idx.sort_unstable_by(|&a, &b| by_logit(raw, a, b));
     TokenLogprobs {
         logprob: lp(chosen),
-        top: idx.into_iter().map(|t| TopLogprob { token: t, logprob: lp(t) }).collect(),
+        top: best(raw, top.min(raw.len())).into_iter().map(|t| TopLogprob { token: t, logprob: lp(t) }).collect(),
     }
 }
 
@@ -393,13 +412,12 @@ mod tests {
         }
     }
 
-    /// The nucleus by the plain rule: sort the whole pool best first, keep the tokens weighing at
-    /// least `min_p`, cut after the running weight reaches `top_p` of the pool's.
-    fn full_sort_nucleus(logits: &[f32], p: &SamplingParams) -> Vec<u32> {
-        let (pool, weights) = candidates(logits, &SamplingParams { top_p: 1.0, min_p: 0.0, ..p.clone() });
-        let target = p.top_p * lane_sum(&weights);
-        let mut order: Vec<usize> = (0..pool.len()).collect();
-        order.sort_unstable_by(|&a, &b| by_logit(logits, pool[a], pool[b]));
+    /// The nucleus by the plain rule: sort every position heaviest first, keep those weighing at
+    /// least `min_p`, cut after the running weight reaches `top_p` of the whole row's.
+    fn full_sort_nucleus(weights: &[f32], p: &SamplingParams) -> Vec<usize> {
+        let target = p.top_p * lane_sum(weights);
+        let mut order: Vec<usize> = (0..weights.len()).collect();
+        order.sort_unstable_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(a.cmp(&b)));
         order.retain(|&j| weights[j] >= p.min_p);
         let mut acc = 0.0;
         let cut = order.iter().position(|&j| {
@@ -407,22 +425,33 @@ mod tests {
             acc >= target
         });
         order.truncate(cut.map_or(order.len(), |c| c + 1));
-        order.iter().map(|&j| pool[j]).collect()
+        order
     }
 
-    #[test]
-    fn the_nucleus_is_the_prefix_a_sort_of_the_whole_vocabulary_gives() {
-        let mut state = 0x2545_F491u32;
-        let mut next = || {
+    /// `logits` as [`pick`] weighs them.
+    fn weights(logits: &[f32], temperature: f32) -> Vec<f32> {
+        let mut w: Vec<f32> = logits.iter().map(|&l| l * (1.0 / temperature)).collect();
+        exp_shifted(&mut w);
+        w
+    }
+
+    /// Xorshift: test data without a dependency.
+    fn xorshift(mut state: u32) -> impl FnMut() -> u32 {
+        move || {
             state ^= state << 13;
             state ^= state >> 17;
             state ^= state << 5;
             state
-        };
+        }
+    }
+
+    #[test]
+    fn the_nucleus_is_the_prefix_a_sort_of_the_whole_vocabulary_gives() {
+        let mut next = xorshift(0x2545_F491);
         for case in 0..400 {
             let n = [7, 16, 100, 2_000, 49_152][case % 5];
-            // Peaked (a few tokens hold the mass), flat (the threshold must fall to zero), or a
-            // few values only (ties across the cut), sometimes a masked-out -inf.
+            // Peaked (a few tokens hold the mass), flat, or a few values only (ties across the
+            // cut), sometimes a masked-out -inf.
             let shape = (case / 5) % 3;
             let logits: Vec<f32> = (0..n)
                 .map(|_| {
@@ -438,18 +467,13 @@ mod tests {
             let p = SamplingParams {
                 temperature: [0.3, 1.0, 2.0][case % 3],
                 top_p: [0.1, 0.5, 0.9, 0.95, 1.0][(case / 3) % 5],
-                min_p: [0.0, 0.0, 0.05, 0.3][(case / 7) % 4],
-                top_k: [0, 0, 5, 300][(case / 11) % 4],
+                min_p: [0.0, 0.05, 0.3][(case / 7) % 3],
                 ..Default::default()
             };
-            let (ids, weights) = candidates(&logits, &p);
+            let w = weights(&logits, p.temperature);
             if p.top_p < 1.0 || p.min_p > 0.0 {
-                assert_eq!(ids, full_sort_nucleus(&logits, &p), "case {case}: {p:?}");
-            } else {
-                let k = if p.top_k > 0 { (p.top_k as usize).min(n) } else { n };
-                assert_eq!(ids.len(), k, "case {case}: without top-p or min-p the whole pool stays");
+                assert_eq!(nucleus(&w, &p), full_sort_nucleus(&w, &p), "case {case}: {p:?}");
             }
-            assert_eq!(ids.len(), weights.len());
         }
     }
 
@@ -459,20 +483,35 @@ mod tests {
         // the mass that the nucleus must reach into it: the threshold has to keep falling.
         for tail in [4e-3f32, 5e-5, 5e-7] {
             for top_p in [0.5, 0.9, 0.999] {
-                for temperature in [0.5f32, 1.0] {
-                    let logits: Vec<f32> =
-                        (0..49_152)
-                            .map(|i| {
-                                if i == 1_000 { 0.0 } else { temperature * (tail * (1.0 + (i % 7) as f32 / 10.0)).ln() }
-                            })
-                            .collect();
-                    let p = SamplingParams { temperature, top_p, ..Default::default() };
-                    let (ids, _) = candidates(&logits, &p);
-                    assert_eq!(ids, full_sort_nucleus(&logits, &p), "tail {tail}, top_p {top_p}, t {temperature}");
-                    let best_share =
-                        1.0 / lane_sum(&candidates(&logits, &SamplingParams { top_p: 1.0, ..p.clone() }).1);
-                    assert_eq!(ids.len() > 1, best_share < top_p, "tail {tail}, top_p {top_p}: the tail is needed");
-                }
+                let w: Vec<f32> =
+                    (0..49_152).map(|i| if i == 1_000 { 1.0 } else { tail * (1.0 + (i % 7) as f32 / 10.0) }).collect();
+                let p = SamplingParams { top_p, ..Default::default() };
+                let kept = nucleus(&w, &p);
+                assert_eq!(kept, full_sort_nucleus(&w, &p), "tail {tail}, top_p {top_p}");
+                let needed = 1.0 / lane_sum(&w) < top_p;
+                assert_eq!(kept.len() > 1, needed, "tail {tail}, top_p {top_p}: the tail is needed");
+            }
+        }
+    }
+
+    #[test]
+    fn the_best_k_are_the_first_k_of_a_full_sort_ties_to_the_lower_id() {
+        let mut next = xorshift(0x1234_5678);
+        for case in 0..300 {
+            let n = [1, 5, 40, 1_000, 49_152][case % 5];
+            let logits: Vec<f32> = (0..n)
+                .map(|_| match next() % 50 {
+                    0 => f32::NEG_INFINITY,
+                    1 => -0.0,
+                    2 => 0.0,
+                    r => (r % 9) as f32 - 4.0 + if case % 2 == 0 { (next() % 1000) as f32 / 1e4 } else { 0.0 },
+                })
+                .collect();
+            let mut sorted: Vec<u32> = (0..n as u32).collect();
+            sorted.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+            for k in [0, 1, 5, 20, 40, n] {
+                let k = k.min(n);
+                assert_eq!(best(&logits, k), sorted[..k], "case {case}, k {k}");
             }
         }
     }
@@ -493,12 +532,8 @@ mod tests {
             let got = counts[&t] as f64 / DRAWS as f64;
             assert!((got - share).abs() < 0.015, "token {t}: drawn {got:.3} of the time, weight {share}");
         }
-        assert_eq!(draw(&[5, 6, 7], &[0.0, 1.0, 0.0], 0.0), 6, "u = 0 lands on the first weight, not before it");
-        assert_eq!(
-            draw(&[5, 6, 7], &[0.5, 1.0, 0.0], 0.999_999_9),
-            6,
-            "a point near the end: the last token with weight"
-        );
+        assert_eq!(draw(&[0.0, 1.0, 0.0], 0.0), 1, "u = 0 lands on the first weight, not before it");
+        assert_eq!(draw(&[0.5, 1.0, 0.0], 0.999_999_9), 1, "a point near the end: the last with weight");
     }
 
     #[test]
