@@ -39,7 +39,7 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Which benchmarks: all, decode, batch, ttft, multiturn, itl, constrained, matmul, attention,
-    /// peak (comma-separated).
+    /// sampler, peak (comma-separated).
     #[arg(long, default_value = "all")]
     pub suite: String,
     /// Tokens per stream for the decode benchmarks.
@@ -220,6 +220,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if want("attention") {
         out["attention"] = bench_attention();
         eprintln!("attention: {}", out["attention"]);
+    }
+    if want("sampler") {
+        out["sampler"] = bench_sampler(&ctx)?;
+        eprintln!("sampler: {}", out["sampler"]);
     }
     if want("peak") {
         out["peak"] = peak::run();
@@ -626,6 +630,61 @@ fn bench_matmul() -> Result<Value> {
 /// 64): a cold 1,000-token prompt in the scheduler's 256-token chunks, 48 new tokens after 1,400
 /// cached (a conversation's next turn), and a decode step of 16 rows at 512 positions.
 /// Microseconds per layer and GMAC/s (query-key and weight-value multiply-adds).
+/// The sampler's time for one token on its own (the engine's thread runs it once a row a step),
+/// on the model's own next-token logits: those after a story's opening and the next 15 greedy
+/// tokens, each timed in turn.
+fn bench_sampler(ctx: &Ctx) -> Result<Value> {
+    use crate::{
+        kv_cache::BlockId,
+        model::{Backend, BatchRow},
+        sampling::{Sampler, argmax, logprobs},
+    };
+    const STEPS: usize = 16;
+    const CALLS: usize = 25;
+    let (mut model, _) = ctx.model.load(false)?;
+    model.allocate_kv(8, 16)?;
+    let blocks: Vec<BlockId> = (0..8).map(BlockId::new).collect();
+    let mut tokens = ctx.tok.encode("Once upon a time, in a small village by the sea, there lived", false)?;
+    let mut rows = Vec::new();
+    let mut done = 0;
+    for _ in 0..STEPS {
+        let row = BatchRow { tokens: &tokens[done..], start_pos: done, blocks: &blocks, want_logits: true };
+        let logits = model.forward(&[row])?.pop().context("no logits")?;
+        done = tokens.len();
+        tokens.push(argmax(&logits));
+        rows.push(logits);
+    }
+    let time = |f: &mut dyn FnMut(&mut [f32])| {
+        let mut row = rows[0].clone();
+        let started = Instant::now();
+        for _ in 0..CALLS {
+            for logits in &rows {
+                row.copy_from_slice(logits);
+                f(&mut row);
+            }
+        }
+        started.elapsed().as_secs_f64() * 1e6 / (CALLS * STEPS) as f64
+    };
+    let cases = [
+        ("greedy", SamplingParams::greedy()),
+        ("temperature_0.8", SamplingParams { temperature: 0.8, ..Default::default() }),
+        ("top_p_0.95", SamplingParams { temperature: 0.8, top_p: 0.95, ..Default::default() }),
+        ("top_k_40", SamplingParams { temperature: 0.8, top_k: 40, ..Default::default() }),
+        ("min_p_0.05", SamplingParams { temperature: 0.8, min_p: 0.05, ..Default::default() }),
+    ];
+    let mut out = json!({ "vocab": rows[0].len(), "calls": CALLS * STEPS });
+    for (name, p) in cases {
+        let mut sampler = Sampler::new(SamplingParams { seed: Some(1), ..p }, &[]);
+        out[format!("{name}_us")] = json!(time(&mut |row| {
+            std::hint::black_box(sampler.sample(row));
+        }));
+    }
+    out["top_logprobs_5_us"] = json!(time(&mut |row| {
+        std::hint::black_box(logprobs(row, 0, 5));
+    }));
+    Ok(out)
+}
+
 fn bench_attention() -> Value {
     use crate::{
         kv_cache::BlockId,
