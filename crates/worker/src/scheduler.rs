@@ -42,7 +42,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::{
     constraint::{Grammar, TokenMask},
     kv_cache::{BlockId, BlockPool, KvEvent},
-    model::{Backend, BatchRow},
+    model::{Backend, BatchRow, rows::for_each_mut},
     request::{Event, FinishReason, Progress, TokenLogprobs, Usage},
     sampling::{Sampler, logprobs},
     stats::Stats,
@@ -323,6 +323,16 @@ impl Sequence {
 
 /// This step's token masks, by running-sequence index.
 type Masks = HashMap<usize, Result<TokenMask, ConstraintError>>;
+
+/// A row that takes a token this step: its sequence's index, its logits, its grammar's mask.
+struct Draw {
+    seq: usize,
+    logits: Vec<f32>,
+    mask: Option<Result<TokenMask, ConstraintError>>,
+}
+
+/// A drawn token and its log-probabilities if asked for, or why the grammar refused it.
+type Sampled = Result<(u32, Option<TokenLogprobs>), ConstraintError>;
 
 /// One row of the planned step: which running sequence, how many of its pending tokens.
 struct Planned {
@@ -658,38 +668,24 @@ impl Scheduler {
     }
 
     /// After a successful forward: advance, register full blocks, sample, stream, finish.
-    fn apply(&mut self, plan: &[Planned], logits: Vec<Vec<f32>>, mut masks: Masks) {
-        let bs = self.cfg.block_size;
-        let mut logits = logits.into_iter();
+    fn apply(&mut self, plan: &[Planned], logits: Vec<Vec<f32>>, masks: Masks) {
+        let draws = self.advance(plan, logits, masks);
+        let drawn = Self::sample_rows(&mut self.running, draws);
         let mut finished: Vec<usize> = Vec::new();
         let mut failed: Vec<(usize, String)> = Vec::new();
-        for p in plan {
-            let s = &mut self.running[p.seq];
-            if s.progress && s.tokens.len() == s.prompt_len {
-                let _ = s.reply.send(Event::Progress(Progress::Prefilled { tokens: p.len as u32 }));
-            }
-            s.computed += p.len;
-            while (s.hashes.len() + 1) * bs <= s.computed {
-                let i = s.hashes.len();
-                let h = block_hash(s.hashes.last().copied(), s.root, &s.tokens[i * bs..(i + 1) * bs]);
-                self.pool.register(s.blocks[i], h);
-                s.hashes.push(h);
-            }
-            if s.computed < s.tokens.len() {
-                continue; // mid-prefill: no token yet
-            }
-            let mut row = logits.next().expect("one logits row per finished row");
-            let (t, logprobs) = match Self::sample(s, &mut row, masks.remove(&p.seq)) {
+        for (seq, outcome) in drawn {
+            let (t, logprobs) = match outcome {
                 Ok(t) => t,
                 Err(e) => {
-                    failed.push((p.seq, format!("constraint: {e}")));
+                    failed.push((seq, format!("constraint: {e}")));
                     continue;
                 }
             };
             self.stats.generated_tokens.fetch_add(1, Relaxed);
+            let s = &mut self.running[seq];
             if let Some((reason, flush)) = Self::emit(s, t, logprobs, self.vocab.as_ref()) {
                 s.finish(reason, flush);
-                finished.push(p.seq);
+                finished.push(seq);
             }
         }
         // Remove back to front so earlier indices stay valid.
@@ -709,14 +705,49 @@ impl Scheduler {
         }
     }
 
+    /// Count each row's computed tokens and register its newly full blocks; returns the rows that
+    /// take a token this step (their prompt is all computed), in plan order, with their logits
+    /// and grammar masks.
+    fn advance(&mut self, plan: &[Planned], logits: Vec<Vec<f32>>, mut masks: Masks) -> Vec<Draw> {
+        let bs = self.cfg.block_size;
+        let mut logits = logits.into_iter();
+        let mut draws = Vec::new();
+        for p in plan {
+            let s = &mut self.running[p.seq];
+            if s.progress && s.tokens.len() == s.prompt_len {
+                let _ = s.reply.send(Event::Progress(Progress::Prefilled { tokens: p.len as u32 }));
+            }
+            s.computed += p.len;
+            while (s.hashes.len() + 1) * bs <= s.computed {
+                let i = s.hashes.len();
+                let h = block_hash(s.hashes.last().copied(), s.root, &s.tokens[i * bs..(i + 1) * bs]);
+                self.pool.register(s.blocks[i], h);
+                s.hashes.push(h);
+            }
+            if s.computed < s.tokens.len() {
+                continue; // mid-prefill: no token yet
+            }
+            let logits = logits.next().expect("one logits row per finished row");
+            draws.push(Draw { seq: p.seq, logits, mask: masks.remove(&p.seq) });
+        }
+        draws
+    }
+
+    /// Every draw's token, the rows split across the compute pool: a row's sampling reads and
+    /// writes only its own sequence, so the split changes no token (on the engine's thread alone,
+    /// 16 sampled rows took a millisecond of each step while the pool's threads waited).
+    fn sample_rows(running: &mut [Sequence], draws: Vec<Draw>) -> Vec<(usize, Sampled)> {
+        let mut free: Vec<Option<&mut Sequence>> = running.iter_mut().map(Some).collect();
+        let mut work: Vec<(&mut Sequence, Draw, Option<Sampled>)> =
+            draws.into_iter().map(|d| (free[d.seq].take().expect("one draw per sequence"), d, None)).collect();
+        for_each_mut(&mut work, |(s, d, out)| *out = Some(Self::sample(s, &mut d.logits, d.mask.take())));
+        work.into_iter().map(|(_, d, out)| (d.seq, out.expect("every draw was sampled"))).collect()
+    }
+
     /// Pick `s`'s next token from its logits, within its grammar's mask if it has one, and
     /// record it (sampler counts, tokens, grammar state); with its logprobs if it asked, taken
     /// from the logits as the model gave them.
-    fn sample(
-        s: &mut Sequence,
-        row: &mut [f32],
-        mask: Option<Result<TokenMask, ConstraintError>>,
-    ) -> Result<(u32, Option<TokenLogprobs>), ConstraintError> {
+    fn sample(s: &mut Sequence, row: &mut [f32], mask: Option<Result<TokenMask, ConstraintError>>) -> Sampled {
         let raw = s.top_logprobs.map(|_| row.to_vec());
         if let Some(mask) = mask {
             mask?.apply(row);

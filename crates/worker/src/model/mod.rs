@@ -11,7 +11,7 @@ pub mod llama;
 pub mod q8_matmul;
 pub mod q8_vnni;
 pub mod rms_norm;
-mod rows;
+pub(crate) mod rows;
 pub mod sim;
 pub mod swiglu;
 

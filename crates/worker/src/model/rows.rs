@@ -1,5 +1,5 @@
-//! Row-wise element work (norms, gates) on candle's pool: each output row is computed from its
-//! own input row alone, so splitting the rows across threads never changes a bit.
+//! Row-wise work (norms, gates, the sampler's rows) on candle's pool: each output row is computed
+//! from its own input row alone, so splitting the rows across threads never changes a bit.
 //!
 //! Why candle's pool and not rayon's (which candle's own row ops use): the matmuls and attention
 //! run on candle's pool, and a second pool's threads spin after their work beside it, taking the
@@ -37,4 +37,17 @@ pub fn map_rows(rows: usize, width: usize, f: impl Fn(Range<usize>, &mut [f32]) 
     // SAFETY: the calls together zeroed (then filled) every row.
     unsafe { out.set_len(rows * width) };
     out
+}
+
+/// `f` on every item, the items split across candle's pool (each item is handed to exactly one
+/// call of `f`).
+pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(&mut T) + Sync) {
+    let at = items.as_mut_ptr() as usize;
+    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+        for i in range {
+            // SAFETY: `execute_chunked` hands each index below `items.len()` to exactly one
+            // range, so no two calls reach the same item; `items` outlives the call.
+            f(unsafe { &mut *(at as *mut T).add(i) })
+        }
+    });
 }
