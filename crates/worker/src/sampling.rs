@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use rand::{Rng, SeedableRng};
 
 use crate::{
-    model::attention::exp_shifted,
+    model::exp::exp_shifted,
     request::{TokenLogprobs, TopLogprob},
 };
 use rand_chacha::ChaCha8Rng;
