@@ -51,3 +51,33 @@ pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(&mut T) + Sync) {
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn for_each_mut_hands_every_item_to_exactly_one_call() {
+        for n in [0, 1, 2, 3, 17, 64, 1_000] {
+            let mut items: Vec<(usize, u32)> = (0..n).map(|i| (i, 0)).collect();
+            for_each_mut(&mut items, |(i, visits)| {
+                *visits += 1;
+                *i *= 2;
+            });
+            assert!(items.iter().enumerate().all(|(i, &(x, v))| x == 2 * i && v == 1), "{n} items: {items:?}");
+        }
+    }
+
+    #[test]
+    fn map_rows_fills_each_row_from_its_own_range_on_any_split() {
+        for rows in [1, 7, 300] {
+            let width = 1_024; // 300 rows pass the parallel threshold
+            let out = map_rows(rows, width, |range, out| {
+                for (r, row) in range.zip(out.chunks_mut(width)) {
+                    row.iter_mut().enumerate().for_each(|(c, x)| *x += (r * width + c) as f32);
+                }
+            });
+            assert!(out.iter().enumerate().all(|(i, &x)| x == i as f32), "{rows} rows");
+        }
+    }
+}
