@@ -108,7 +108,7 @@ fn exp8_portable(x: [f32; LANES]) -> [f32; LANES] {
 }
 
 /// `exp(x - max)` of every value through [`exp8`], `max` the row's largest, which it returns.
-pub fn exp_shifted(row: &mut [f32]) -> f32 {
+pub(crate) fn exp_shifted(row: &mut [f32]) -> f32 {
     // Max is exact in any order: eight lanes, then across them.
     let (chunks, rest) = row.as_chunks::<LANES>();
     let mut lanes = [f32::NEG_INFINITY; LANES];

@@ -7,7 +7,7 @@
 
 pub mod attention;
 pub mod device_attention;
-pub mod exp;
+pub(crate) mod exp;
 pub mod llama;
 pub mod q8_matmul;
 pub mod q8_vnni;
