@@ -3,6 +3,11 @@
 //! Each request owns its [`Sampler`] (and its RNG), keyed by request id in the scheduler, so its
 //! tokens depend only on its own logits and seed: never on what else shares the batch or on the
 //! order in which rows finish.
+//!
+//! A sampled token costs a few passes over the vocabulary and no sort of it: the sampler runs for
+//! every row of every step, and a full sort of SmolLM2's 49,152 logits took 1.9 ms a token beside
+//! the model's 3.5 ms step. Only the nucleus's candidates are sorted (`nucleus`), the k best are
+//! kept in one pass (`best`), and the weights are computed in place in the row.
 
 use std::collections::HashMap;
 
@@ -205,11 +210,9 @@ const NUCLEUS_THRESHOLDS: [f32; 4] = [1e-2, 1e-4, 1e-6, 0.0];
 
 /// The positions min-p and top-p keep, heaviest first (ties to the earlier position): the tokens
 /// weighing at least `min_p` (the best weighs 1), cut after the first whose running weight
-/// reaches `top_p` of the whole row's. Sorting the whole vocabulary for this was most of a sampled
-/// token's time (49,152 logits: about 3 ms, against 3.5 ms for the model's step): here only the
-/// tokens above a weight threshold are sorted, the threshold falling until they carry the `top_p`
-/// share. They are the heaviest tokens, so that share's prefix lies among them; a peaked
-/// distribution sorts a few hundred tokens.
+/// reaches `top_p` of the whole row's. Only the tokens above a weight threshold are sorted, the
+/// threshold falling until they carry the `top_p` share: they are the heaviest tokens, so the
+/// nucleus lies among them, and a peaked distribution sorts a few hundred.
 fn nucleus(weights: &[f32], p: &SamplingParams) -> Vec<usize> {
     let target = p.top_p * lane_sum(weights);
     let mut kept: Vec<usize> = Vec::new();
