@@ -40,8 +40,11 @@ pub fn map_rows(rows: usize, width: usize, f: impl Fn(Range<usize>, &mut [f32]) 
 }
 
 /// `f` on every item, the items split across candle's pool (each item is handed to exactly one
-/// call of `f`).
+/// call of `f`); a single item stays on the calling thread.
 pub fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(&mut T) + Sync) {
+    if let [item] = items {
+        return f(item);
+    }
     let at = items.as_mut_ptr() as usize;
     candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
         for i in range {
