@@ -626,10 +626,6 @@ fn bench_matmul() -> Result<Value> {
     Ok(Value::Array(rows))
 }
 
-/// One layer's attention alone, on the default model's heads (9 query heads over 3 KV heads of
-/// 64): a cold 1,000-token prompt in the scheduler's 256-token chunks, 48 new tokens after 1,400
-/// cached (a conversation's next turn), and a decode step of 16 rows at 512 positions.
-/// Microseconds per layer and GMAC/s (query-key and weight-value multiply-adds).
 /// The sampler's time for one token on its own (the engine's thread runs it once a row a step),
 /// on the model's own next-token logits: those after a story's opening and the next 15 greedy
 /// tokens, each timed in turn.
@@ -680,11 +676,15 @@ fn bench_sampler(ctx: &Ctx) -> Result<Value> {
         }));
     }
     out["top_logprobs_5_us"] = json!(time(&mut |row| {
-        std::hint::black_box(logprobs(row, 0, 5));
+        std::hint::black_box(logprobs(row.to_vec(), 0, 5));
     }));
     Ok(out)
 }
 
+/// One layer's attention alone, on the default model's heads (9 query heads over 3 KV heads of
+/// 64): a cold 1,000-token prompt in the scheduler's 256-token chunks, 48 new tokens after 1,400
+/// cached (a conversation's next turn), and a decode step of 16 rows at 512 positions.
+/// Microseconds per layer and GMAC/s (query-key and weight-value multiply-adds).
 fn bench_attention() -> Value {
     use crate::{
         kv_cache::BlockId,

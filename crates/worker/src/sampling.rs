@@ -279,11 +279,13 @@ fn draw(weights: &[f32], u: f32) -> usize {
 
 /// `chosen`'s log-probability under the distribution of `raw` logits (log-softmax: the
 /// exponentials as attention's softmax takes them, summed in f64 in eight lanes, a fixed order, so
-/// the same logits give the same bits), and the `top` most likely tokens.
-pub fn logprobs(raw: &[f32], chosen: u32, top: usize) -> TokenLogprobs {
-    let mut e = raw.to_vec();
-    let max = f64::from(exp_shifted(&mut e));
-    let (chunks, rest) = e.as_chunks::<8>();
+/// the same logits give the same bits), and the `top` most likely tokens. `raw` becomes the
+/// exponentials (the caller's copy: a second one of the vocabulary would cost every row).
+pub fn logprobs(mut raw: Vec<f32>, chosen: u32, top: usize) -> TokenLogprobs {
+    let chosen_logit = raw[chosen as usize];
+    let top: Vec<(u32, f32)> = best(&raw, top.min(raw.len())).into_iter().map(|t| (t, raw[t as usize])).collect();
+    let max = f64::from(exp_shifted(&mut raw));
+    let (chunks, rest) = raw.as_chunks::<8>();
     let mut lanes = [0f64; 8];
     for c in chunks {
         for (s, &x) in lanes.iter_mut().zip(c) {
@@ -292,10 +294,10 @@ pub fn logprobs(raw: &[f32], chosen: u32, top: usize) -> TokenLogprobs {
     }
     let tail: f64 = rest.iter().map(|&x| f64::from(x)).sum();
     let lse = max + (lanes.iter().sum::<f64>() + tail).ln();
-    let lp = |t: u32| (f64::from(raw[t as usize]) - lse) as f32;
+    let lp = |l: f32| (f64::from(l) - lse) as f32;
     TokenLogprobs {
-        logprob: lp(chosen),
-        top: best(raw, top.min(raw.len())).into_iter().map(|t| TopLogprob { token: t, logprob: lp(t) }).collect(),
+        logprob: lp(chosen_logit),
+        top: top.into_iter().map(|(token, l)| TopLogprob { token, logprob: lp(l) }).collect(),
     }
 }
 
@@ -556,14 +558,14 @@ mod tests {
     #[test]
     fn logprobs_are_a_log_softmax_with_the_most_likely_first() {
         let l = logits();
-        let lp = logprobs(&l, 4, 3);
+        let lp = logprobs(l.clone(), 4, 3);
         let total: f64 = l.iter().map(|&x| (x as f64).exp()).sum();
         assert!((lp.logprob as f64 - (2.9f64 - total.ln())).abs() < 1e-6);
         let top: Vec<u32> = lp.top.iter().map(|t| t.token).collect();
         assert_eq!(top, [1, 4, 2]);
         assert!(lp.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
-        assert_eq!(logprobs(&[1.0, 1.0, 0.0], 0, 2).top.iter().map(|t| t.token).collect::<Vec<_>>(), [0, 1]);
-        assert!(logprobs(&l, 1, 0).top.is_empty());
+        assert_eq!(logprobs(vec![1.0, 1.0, 0.0], 0, 2).top.iter().map(|t| t.token).collect::<Vec<_>>(), [0, 1]);
+        assert!(logprobs(l.clone(), 1, 0).top.is_empty());
     }
 
     #[test]

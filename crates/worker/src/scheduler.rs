@@ -758,7 +758,7 @@ impl Scheduler {
         if let Some(g) = &mut s.grammar {
             g.commit(t)?;
         }
-        Ok((t, raw.zip(s.top_logprobs).map(|(raw, k)| logprobs(&raw, t, k))))
+        Ok((t, raw.zip(s.top_logprobs).map(|(raw, k)| logprobs(raw, t, k))))
     }
 
     /// Stream token `t` of sequence `s`; returns why it finished, if it did, and whether text
