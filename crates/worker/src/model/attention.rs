@@ -394,10 +394,10 @@ fn weighted_run<const R: usize>(weights: [&[f32]; R], values: &[f32], off: usize
         }
         #[cfg(target_arch = "x86_64")]
         if avx512() {
-            let tiles = from_fn(|r| &raw mut out[r].0[t]);
+            let tiles = from_fn(|r| out[r].0[t].as_mut_ptr());
             // SAFETY: AVX-512F is present (checked at run time); every row read lies inside
             // `values` (asserted above); the tiles are of different outputs.
-            unsafe { weighted_tile_avx512(weights, values.as_ptr().add(base), stride, tiles) };
+            unsafe { weighted_tile_avx512(weights.map(<[f32]>::as_ptr), values.as_ptr(), &[(base, n)], stride, tiles) };
             continue;
         }
         for r in 0..R {
@@ -435,39 +435,47 @@ fn avx512() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
 }
 
-/// [`weighted_run`]'s tile of [`TILE`] columns for each of `R` queries, in four 16-lane
-/// registers each: with two queries, eight independent chains of multiply-adds hide their latency.
+/// [`weighted_run`]'s tile of [`TILE`] columns for each of `R` rows of weights (heads sharing
+/// a KV head, of one token or two), in four 16-lane registers each, over the value rows of `runs`
+/// one after another: `(element offset of its first row, rows)`, rows `stride` apart, weight `i`
+/// of a row for the `i`-th row of the runs. The sums stay in registers from the first run to the
+/// last, and each value load serves every row of weights (with six rows, 24 independent chains).
 ///
-/// SAFETY: the CPU has AVX-512F; `values + s * stride .. + TILE` is readable for every `s` below
-/// `weights[r].len()`; the tiles are valid and do not overlap.
+/// SAFETY: the CPU has AVX-512F; `values + off + s * stride .. + TILE` is readable for every run
+/// and `s` below its rows; each `weights[r]` holds a weight for every row of the runs; each
+/// `tiles[r]` is `TILE` writable floats, overlapping no other.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn weighted_tile_avx512<const R: usize>(
-    weights: [&[f32]; R],
+    weights: [*const f32; R],
     values: *const f32,
+    runs: &[(usize, usize)],
     stride: usize,
-    tiles: [*mut [f32; TILE]; R],
+    tiles: [*mut f32; R],
 ) {
     use std::arch::x86_64::*;
     const W: usize = 16;
-    // SAFETY: loads and stores of the tiles are in bounds (TILE = 4 x 16); row reads by the
-    // caller's contract.
+    // SAFETY: loads and stores of the tiles are in bounds (TILE = 4 x 16); row and weight reads
+    // by the caller's contract.
     unsafe {
-        let mut acc: [[__m512; TILE / W]; R] =
-            from_fn(|r| from_fn(|c| _mm512_loadu_ps(tiles[r].cast::<f32>().add(c * W))));
-        for s in 0..weights[0].len() {
-            let v = values.add(s * stride);
-            let vs: [__m512; TILE / W] = from_fn(|c| _mm512_loadu_ps(v.add(c * W)));
-            for r in 0..R {
-                let w = _mm512_set1_ps(*weights[r].get_unchecked(s));
-                for c in 0..TILE / W {
-                    acc[r][c] = _mm512_fmadd_ps(w, vs[c], acc[r][c]);
+        let mut acc: [[__m512; TILE / W]; R] = from_fn(|r| from_fn(|c| _mm512_loadu_ps(tiles[r].add(c * W))));
+        let mut w = weights;
+        for &(off, rows) in runs {
+            for s in 0..rows {
+                let v = values.add(off + s * stride);
+                let vs: [__m512; TILE / W] = from_fn(|c| _mm512_loadu_ps(v.add(c * W)));
+                for r in 0..R {
+                    let w = _mm512_set1_ps(*w[r].add(s));
+                    for c in 0..TILE / W {
+                        acc[r][c] = _mm512_fmadd_ps(w, vs[c], acc[r][c]);
+                    }
                 }
             }
+            w = w.map(|w| w.add(rows));
         }
         for (tile, acc) in tiles.iter().zip(&acc) {
             for (c, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(tile.cast::<f32>().add(c * W), *a);
+                _mm512_storeu_ps(tile.add(c * W), *a);
             }
         }
     }
@@ -594,6 +602,74 @@ impl QueryTile<'_> {
                 2 => weighted_run::<2>(from_fn(|i| w(h + i)), values, first_row, stride, from_fn(|i| o(h + i))),
                 _ => weighted_run::<1>([w(h)], values, first_row, stride, [o(h)]),
             }
+        }
+    }
+
+    /// Every query's outputs plus its weights of `runs`: blocks that every query of the tile sees
+    /// whole, `(element offset of the head's first row, rows)` in position order from position
+    /// `p`, rows `stride` apart. Each output element gets its terms in position order, as from
+    /// [`QueryTile::query_weigh`] block after block, so the same bits. On AVX-512, two tokens'
+    /// heads share each value load and the sums stay in registers across all the blocks (a call
+    /// per query and block, with its checks and its tile's loads and stores, cost a fifth of the
+    /// weighing).
+    fn weigh_span(
+        &self,
+        scores: &[f32],
+        values: &[f32],
+        runs: &[(usize, usize)],
+        stride: usize,
+        p: usize,
+        out: &DisjointOut,
+    ) {
+        let (n_max, hd, group, m) = (self.n_max, self.hd, self.group, self.m);
+        #[cfg(target_arch = "x86_64")]
+        if avx512() && hd % TILE == 0 {
+            let rows: usize = runs.iter().map(|&(_, rows)| rows).sum();
+            assert!(
+                runs.iter().all(|&(off, rows)| rows == 0 || off + (rows - 1) * stride + hd <= values.len()),
+                "value rows inside the store"
+            );
+            assert!(p + rows <= n_max && scores.len() >= m * group * n_max, "weights inside the score rows");
+            assert!(self.first + (m - 1) * self.q_row + group * hd <= out.len, "outputs inside the step's");
+            let (v, s) = (values.as_ptr(), scores.as_ptr());
+            for j0 in (0..m).step_by(2) {
+                let tokens = 2.min(m - j0);
+                for (h, n) in head_runs(group) {
+                    // Row i of the call: token j0 + i / n, head h + i % n.
+                    let at = |i: usize| (j0 + i / n, h + i % n);
+                    for t in (0..hd).step_by(TILE) {
+                        // SAFETY: AVX-512F is present (checked at run time); the weights, value
+                        // rows and outputs lie inside their buffers (asserted above); the
+                        // outputs are this task's (the caller's), of different (token, head).
+                        unsafe {
+                            let w = |i: usize| {
+                                let (j, h) = at(i);
+                                s.add((j * group + h) * n_max + p)
+                            };
+                            let o = |i: usize| {
+                                let (j, h) = at(i);
+                                out.slice(self.first + j * self.q_row + h * hd + t, TILE).as_mut_ptr()
+                            };
+                            let v = v.add(t);
+                            match tokens * n {
+                                6 => weighted_tile_avx512::<6>(from_fn(w), v, runs, stride, from_fn(o)),
+                                4 => weighted_tile_avx512::<4>(from_fn(w), v, runs, stride, from_fn(o)),
+                                3 => weighted_tile_avx512::<3>(from_fn(w), v, runs, stride, from_fn(o)),
+                                2 => weighted_tile_avx512::<2>(from_fn(w), v, runs, stride, from_fn(o)),
+                                _ => weighted_tile_avx512::<1>(from_fn(w), v, runs, stride, from_fn(o)),
+                            }
+                        }
+                    }
+                }
+            }
+            return;
+        }
+        let mut at = p;
+        for &(off, rows) in runs {
+            for j in 0..m {
+                self.query_weigh(j, scores, values, off, stride, at, 0..rows, out);
+            }
+            at += rows;
         }
     }
 }
@@ -757,19 +833,34 @@ pub fn paged_attention(
             }
         }
         softmax_rows(scores, n_max, |r| shape.visible(p0 + r / group));
+        // Blocks every query sees whole are weighed as one span; the others query by query.
+        let mut span = (0, Vec::new());
         let mut value_runs = paged.runs(n_max).peekable();
         while let Some((p, off, len)) = value_runs.next() {
-            // The next block's value rows of this KV head likewise.
+            if whole(p, len) {
+                if span.1.is_empty() {
+                    span.0 = p;
+                }
+                span.1.push((off, len));
+                continue;
+            }
+            if !span.1.is_empty() {
+                tile.weigh_span(scores, &kv.v, &span.1, kv_row, span.0, &shared);
+                span.1.clear();
+            }
+            // The next block's value rows of this KV head start loading while this one is used.
             if let Some(&(_, next, rows)) = value_runs.peek() {
                 (0..rows).for_each(|s| prefetch(&kv.v, next + s * kv_row, hd));
             }
-            let seen_whole = whole(p, len);
             for j in 0..m {
-                let (first, count) = if seen_whole { (0, len) } else { part(j, p, len) };
+                let (first, count) = part(j, p, len);
                 if count > 0 {
                     tile.query_weigh(j, scores, &kv.v, off, kv_row, p, first..first + count, &shared);
                 }
             }
+        }
+        if !span.1.is_empty() {
+            tile.weigh_span(scores, &kv.v, &span.1, kv_row, span.0, &shared);
         }
     };
     // Small steps (decode) run on this thread: waking the pool costs more than the work.
