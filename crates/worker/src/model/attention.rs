@@ -5,7 +5,8 @@
 //! batch neighbours (bit-exact, not merely close). Work is split across threads by (tile of a
 //! row's tokens, KV head), which changes who computes a value, never the order of its sums. The
 //! kernels below compute several positions, columns, heads or rows' sums at once for speed (up to
-//! three heads of a KV group share each key and value load; keys lie transposed within each block,
+//! three heads of a KV group share each key load, and up to two tokens' heads each value load over
+//! the blocks every query of a tile sees whole; keys lie transposed within each block,
 //! so a block's scores fill the lanes of a register with no sum across lanes; the key scores,
 //! the value tiles and the exponential take AVX-512 registers where the CPU has them, chosen at
 //! run time), and each is tested to give the very bits of the plain one-at-a-time loop. Tried and
@@ -1056,6 +1057,7 @@ mod tests {
     /// `window` positions (None: all); keys and values before position `stale_before` are shifted
     /// (what a window must never see).
     fn attend_with(
+        heads: Heads,
         cached: usize,
         tokens: usize,
         one_by_one: bool,
@@ -1063,12 +1065,11 @@ mod tests {
         stale_before: usize,
     ) -> Vec<f32> {
         use crate::kv_cache::BlockId;
-        let heads = Heads { n_head: 6, n_kv_head: 2, head_dim: 64 };
-        let (q_row, kv_row) = (6 * 64, 2 * 64);
+        let (q_row, kv_row) = (heads.n_head * heads.head_dim, heads.n_kv_head * heads.head_dim);
         let shape = Attention { window, ..Attention::causal(heads) };
         let mut kv = LayerKv::new(16, 4, heads);
         let blocks: Vec<BlockId> = [9, 2, 14, 0, 5, 11, 3, 7, 1, 12].map(BlockId::new).to_vec();
-        let rope = Rope::new(RopeStyle::Halves, 64, 10000.0, 64);
+        let rope = Rope::new(RopeStyle::Halves, heads.head_dim, 10000.0, 64);
         let all = cached + tokens;
         let (q, mut k, mut v) = (wave(all * q_row, 0.031), wave(all * kv_row, 0.023), wave(all * kv_row, 0.017));
         for x in k[..stale_before * kv_row].iter_mut().chain(&mut v[..stale_before * kv_row]) {
@@ -1091,8 +1092,11 @@ mod tests {
         out
     }
 
+    /// Six query heads over two KV heads: groups of three, as SmolLM2's.
+    const GROUPS_OF_THREE: Heads = Heads { n_head: 6, n_kv_head: 2, head_dim: 64 };
+
     fn attend(cached: usize, tokens: usize, one_by_one: bool) -> Vec<f32> {
-        attend_with(cached, tokens, one_by_one, None, 0)
+        attend_with(GROUPS_OF_THREE, cached, tokens, one_by_one, None, 0)
     }
 
     fn bits(v: &[f32]) -> Vec<u32> {
@@ -1109,18 +1113,41 @@ mod tests {
     }
 
     #[test]
+    fn blocks_seen_whole_weigh_two_tokens_at_a_time_with_the_bits_of_one_alone() {
+        // Groups of one, two and four heads (runs of 1, 2 and 2 + 2: the span kernel for one or
+        // two tokens of each), head sizes of one and two value tiles, odd tiles (a lone token).
+        for (n_head, n_kv_head, head_dim) in [(2, 2, 64), (4, 2, 64), (8, 2, 64), (6, 2, 128)] {
+            let heads = Heads { n_head, n_kv_head, head_dim };
+            let tiled = attend_with(heads, 21, 19, false, None, 0);
+            let alone = attend_with(heads, 21, 19, true, None, 0);
+            assert!(bits(&tiled) == bits(&alone), "{heads:?}: tiled attention differs from token-by-token");
+        }
+    }
+
+    #[test]
     fn a_sliding_window_hides_what_lies_before_it_and_keeps_chunks_exact() {
         // The last of 40 positions, window 9: positions 31..=39 are visible, 0..31 are not.
         let (cached, tokens, window) = (39, 1, Some(9));
-        let windowed = attend_with(cached, tokens, false, window, 0);
-        assert_eq!(bits(&windowed), bits(&attend_with(cached, tokens, false, window, 31)), "stale keys were read");
-        assert_ne!(bits(&windowed), bits(&attend_with(cached, tokens, false, window, 32)), "a visible key was skipped");
+        let windowed = attend_with(GROUPS_OF_THREE, cached, tokens, false, window, 0);
+        assert_eq!(
+            bits(&windowed),
+            bits(&attend_with(GROUPS_OF_THREE, cached, tokens, false, window, 31)),
+            "stale keys were read"
+        );
+        assert_ne!(
+            bits(&windowed),
+            bits(&attend_with(GROUPS_OF_THREE, cached, tokens, false, window, 32)),
+            "a visible key was skipped"
+        );
         assert_ne!(bits(&windowed), bits(&attend(cached, tokens, false)), "the window changed nothing");
         // Every query of a chunk (tiles spanning window edges and blocks) as if alone.
         let w = Some(6);
-        assert_eq!(bits(&attend_with(5, 35, false, w, 0)), bits(&attend_with(5, 35, true, w, 0)));
+        assert_eq!(
+            bits(&attend_with(GROUPS_OF_THREE, 5, 35, false, w, 0)),
+            bits(&attend_with(GROUPS_OF_THREE, 5, 35, true, w, 0))
+        );
         // A window wider than the sequence is plain causal attention.
-        assert_eq!(bits(&attend_with(5, 35, false, Some(64), 0)), bits(&attend(5, 35, false)));
+        assert_eq!(bits(&attend_with(GROUPS_OF_THREE, 5, 35, false, Some(64), 0)), bits(&attend(5, 35, false)));
     }
 
     #[test]
