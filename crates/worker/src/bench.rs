@@ -63,6 +63,10 @@ pub struct BenchArgs {
     /// Which ITL cases to run.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "governed,chunked,unchunked")]
     pub itl_cases: Vec<ItlCase>,
+    /// Prompt tokens per stream of the batch benchmark (0: a story's short opening), to measure
+    /// batched decode over a long context, where attention reads each stream's whole history.
+    #[arg(long, default_value_t = 0)]
+    pub batch_context: usize,
     /// Sampling temperature of the decode and batch benchmarks' streams (0: greedy).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
@@ -340,14 +344,26 @@ fn bench_batch(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
         max_waiting: defaults.max_waiting.max(most),
         ..defaults
     };
-    let engine = ctx.engine(EngineConfig { scheduler, ..Default::default() })?;
+    // Long contexts take a larger KV pool: 4 GiB holds 64 streams of 1,000 tokens of SmolLM2.
+    let kv_cache_mb = (a.batch_context > 0).then_some(4096);
+    let engine = ctx.engine(EngineConfig { scheduler, kv_cache_mb })?;
     let mut rows = Vec::new();
     for &c in &a.concurrency {
         let mut rates = Vec::new();
         for r in 0..a.repeat {
             let prompts: Vec<Vec<u32>> = (0..c)
-                .map(|i| ctx.tok.encode(&format!("Story {r}-{i}: Once upon a time"), false))
+                .map(|i| match a.batch_context {
+                    0 => ctx.tok.encode(&format!("Story {r}-{i}: Once upon a time"), false),
+                    n => ctx.long_prompt(n, 300 + r * most + i),
+                })
                 .collect::<Result<_>>()?;
+            // A long context goes into the prefix cache first, so the streams start decoding
+            // together instead of one after another's prefill.
+            if a.batch_context > 0 {
+                for p in &prompts {
+                    run_stream(&engine.handle(), greedy(p.clone(), 1), None)?;
+                }
+            }
             let seed = std::sync::atomic::AtomicU64::new(0);
             let make = |p| decode_request(p, a, seed.fetch_add(1, Ordering::Relaxed));
             rates.push(steady_decode(&engine.handle(), &prompts, make)?.0);
