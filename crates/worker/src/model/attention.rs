@@ -502,9 +502,9 @@ impl QueryTile<'_> {
     /// Every query's scores against the block's `len` slots at positions `p..`: [`qk_block`]'s
     /// bits (on AVX-512 its kernel, with the bounds checked once for the whole tile).
     fn scores(&self, keys: &[f32], block_size: usize, p: usize, len: usize, scale: f32, scores: &mut [f32]) {
-        let (n_max, hd, group) = (self.n_max, self.hd, self.group);
         #[cfg(target_arch = "x86_64")]
         if avx512() {
+            let (n_max, hd, group) = (self.n_max, self.hd, self.group);
             assert!(len <= block_size && keys.len() >= hd * block_size, "slots inside the block's keys");
             assert!(p + len <= n_max && scores.len() >= self.m * group * n_max, "scores inside the rows");
             assert!(self.first + (self.m - 1) * self.q_row + group * hd <= self.q.len(), "queries inside q");
@@ -622,9 +622,9 @@ impl QueryTile<'_> {
         p: usize,
         out: &DisjointOut,
     ) {
-        let (n_max, hd, group, m) = (self.n_max, self.hd, self.group, self.m);
         #[cfg(target_arch = "x86_64")]
-        if avx512() && hd % TILE == 0 {
+        if avx512() && self.hd.is_multiple_of(TILE) {
+            let (n_max, hd, group, m) = (self.n_max, self.hd, self.group, self.m);
             let rows: usize = runs.iter().map(|&(_, rows)| rows).sum();
             assert!(
                 runs.iter().all(|&(off, rows)| rows == 0 || off + (rows - 1) * stride + hd <= values.len()),
@@ -667,7 +667,7 @@ impl QueryTile<'_> {
         }
         let mut at = p;
         for &(off, rows) in runs {
-            for j in 0..m {
+            for j in 0..self.m {
                 self.query_weigh(j, scores, values, off, stride, at, 0..rows, out);
             }
             at += rows;
