@@ -65,6 +65,8 @@ pub struct BenchArgs {
     pub itl_cases: Vec<ItlCase>,
     /// Prompt tokens per stream of the batch benchmark (0: a story's short opening), to measure
     /// batched decode over a long context, where attention reads each stream's whole history.
+    /// The prompts are put in the prefix cache first; the KV pool is then 4 GiB (64 streams of
+    /// 1,000 tokens of SmolLM2: more would be preempted).
     #[arg(long, default_value_t = 0)]
     pub batch_context: usize,
     /// Sampling temperature of the decode and batch benchmarks' streams (0: greedy).

@@ -448,7 +448,7 @@ fn avx512() -> bool {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn weighted_tile_avx512<const R: usize>(
-    weights: [*const f32; R],
+    mut weights: [*const f32; R],
     values: *const f32,
     runs: &[(usize, usize)],
     stride: usize,
@@ -460,19 +460,18 @@ unsafe fn weighted_tile_avx512<const R: usize>(
     // by the caller's contract.
     unsafe {
         let mut acc: [[__m512; TILE / W]; R] = from_fn(|r| from_fn(|c| _mm512_loadu_ps(tiles[r].add(c * W))));
-        let mut w = weights;
         for &(off, rows) in runs {
             for s in 0..rows {
                 let v = values.add(off + s * stride);
                 let vs: [__m512; TILE / W] = from_fn(|c| _mm512_loadu_ps(v.add(c * W)));
                 for r in 0..R {
-                    let w = _mm512_set1_ps(*w[r].add(s));
+                    let w = _mm512_set1_ps(*weights[r].add(s));
                     for c in 0..TILE / W {
                         acc[r][c] = _mm512_fmadd_ps(w, vs[c], acc[r][c]);
                     }
                 }
             }
-            w = w.map(|w| w.add(rows));
+            weights = weights.map(|w| w.add(rows));
         }
         for (tile, acc) in tiles.iter().zip(&acc) {
             for (c, a) in acc.iter().enumerate() {
@@ -783,7 +782,7 @@ pub fn paged_attention(
     let shared = DisjointOut { ptr: out.as_mut_ptr(), len: q.len() };
     // One task per (tile, KV head), the latest tiles (the most positions) first. The tile's
     // queries of every head in the group take each K/V block in turn while it is in cache.
-    let task = |i: usize, scores: &mut Vec<f32>| {
+    let task = |i: usize, Scratch { scores, span }: &mut Scratch| {
         let (r, t0, m) = tiles[tiles.len() - 1 - i / n_kv_head];
         let g = i % n_kv_head;
         let p0 = token_pos[t0].1;
@@ -834,20 +833,22 @@ pub fn paged_attention(
             }
         }
         softmax_rows(scores, n_max, |r| shape.visible(p0 + r / group));
-        // Blocks every query sees whole are weighed as one span; the others query by query.
-        let mut span = (0, Vec::new());
+        // Blocks every query sees whole are weighed as one span, from position `span_start`;
+        // the others query by query.
+        span.clear();
+        let mut span_start = 0;
         let mut value_runs = paged.runs(n_max).peekable();
         while let Some((p, off, len)) = value_runs.next() {
             if whole(p, len) {
-                if span.1.is_empty() {
-                    span.0 = p;
+                if span.is_empty() {
+                    span_start = p;
                 }
-                span.1.push((off, len));
+                span.push((off, len));
                 continue;
             }
-            if !span.1.is_empty() {
-                tile.weigh_span(scores, &kv.v, &span.1, kv_row, span.0, &shared);
-                span.1.clear();
+            if !span.is_empty() {
+                tile.weigh_span(scores, &kv.v, span, kv_row, span_start, &shared);
+                span.clear();
             }
             // The next block's value rows of this KV head start loading while this one is used.
             if let Some(&(_, next, rows)) = value_runs.peek() {
@@ -860,8 +861,8 @@ pub fn paged_attention(
                 }
             }
         }
-        if !span.1.is_empty() {
-            tile.weigh_span(scores, &kv.v, &span.1, kv_row, span.0, &shared);
+        if !span.is_empty() {
+            tile.weigh_span(scores, &kv.v, span, kv_row, span_start, &shared);
         }
     };
     // Small steps (decode) run on this thread: waking the pool costs more than the work.
@@ -891,14 +892,23 @@ fn prefetch(data: &[f32], start: usize, len: usize) {
     let _ = (data, start, len);
 }
 
+/// What an attention task reuses from step to step on its thread.
+struct Scratch {
+    /// The tile's score rows, then their weights.
+    scores: Vec<f32>,
+    /// The value runs `(offset, rows)` of the blocks every query of the tile sees whole.
+    span: Vec<(usize, usize)>,
+}
+
 /// Run `f(i, scratch)` for every task `i`, in parallel on candle's matmul thread pool:
 /// attention and matmuls then share one set of threads. (A second pool, such as rayon's, spins
 /// beside candle's and oversubscribes the cores.) Each thread keeps its scratch from step to
 /// step: a fresh one of a long prompt's size is mapped, faulted in and zeroed by the kernel every
 /// time.
-fn run_tasks(n: usize, parallel: bool, f: impl Fn(usize, &mut Vec<f32>) + Sync) {
+fn run_tasks(n: usize, parallel: bool, f: impl Fn(usize, &mut Scratch) + Sync) {
     thread_local! {
-        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+        static SCRATCH: std::cell::RefCell<Scratch> =
+            const { std::cell::RefCell::new(Scratch { scores: Vec::new(), span: Vec::new() }) };
     }
     let run = |range: std::ops::Range<usize>| {
         SCRATCH.with_borrow_mut(|scratch| range.for_each(|i| f(i, scratch)));
