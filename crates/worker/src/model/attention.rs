@@ -770,15 +770,8 @@ pub fn paged_attention(
     // one thread while the others waited).
     let mut out = Vec::<f32>::with_capacity(q.len());
     let kv = &*kv;
-    // Tiles of up to QUERY_TILE consecutive tokens of one row: (row, first token index, tokens).
-    let mut tiles = Vec::new();
-    let mut t0 = 0;
-    for (r, row) in rows.iter().enumerate() {
-        for first in (0..row.tokens.len()).step_by(QUERY_TILE) {
-            tiles.push((r, t0 + first, QUERY_TILE.min(row.tokens.len() - first)));
-        }
-        t0 += row.tokens.len();
-    }
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let tiles = query_tiles(rows, n_kv_head, threads);
     let shared = DisjointOut { ptr: out.as_mut_ptr(), len: q.len() };
     // One task per (tile, KV head), the latest tiles (the most positions) first. The tile's
     // queries of every head in the group take each K/V block in turn while it is in cache.
@@ -876,6 +869,31 @@ pub fn paged_attention(
     // cover every token, ran once for each KV group, which together hold every head.
     unsafe { out.set_len(q.len()) };
     out
+}
+
+/// Each row's tokens in tiles of at most [`QUERY_TILE`] consecutive tokens, as `(row, first token
+/// index in the step, tokens)`: a row's tiles as many as makes its tasks (a tile for each KV head)
+/// a multiple of `threads` where it has the tokens for that, and of sizes that differ by at most
+/// one. A turn's 48 tokens with three KV heads were three tiles of 16, nine tasks of equal work
+/// for two threads: one thread ran five while the other waited for the last (4 tiles of 12 are
+/// twelve, six each).
+fn query_tiles(rows: &[BatchRow<'_>], n_kv_head: usize, threads: usize) -> Vec<(usize, usize, usize)> {
+    let mut tiles = Vec::new();
+    let mut t0 = 0;
+    for (r, row) in rows.iter().enumerate() {
+        let n = row.tokens.len();
+        let fewest = n.div_ceil(QUERY_TILE);
+        let k = (fewest..=n).find(|k| (k * n_kv_head).is_multiple_of(threads.max(1))).unwrap_or(fewest);
+        let mut first = 0;
+        for i in 0..k {
+            // The first n % k tiles take one token more.
+            let m = n / k + usize::from(i < n % k);
+            tiles.push((r, t0 + first, m));
+            first += m;
+        }
+        t0 += n;
+    }
+    tiles
 }
 
 /// Start loading `data[start..start + len]` into the cache: a hint, with no effect on any
@@ -1205,5 +1223,42 @@ mod tests {
             assert_eq!(bits(&many[r * n + lo..r * n + hi]), bits(row), "row {r}");
             assert!(many[r * n..r * n + lo].iter().chain(&many[r * n + hi..(r + 1) * n]).all(|&x| x == 0.0), "row {r}");
         }
+    }
+
+    #[test]
+    fn a_turns_tiles_give_every_thread_as_many_tasks_and_cover_each_token_once() {
+        let ids = [0u32; 300];
+        let blocks = [];
+        let row = |n: usize| BatchRow { tokens: &ids[..n], start_pos: 7, blocks: &blocks, want_logits: false };
+        // (tokens per row, KV heads, threads, tiles the rows get)
+        let cases: [(&[usize], usize, usize, usize); 7] = [
+            (&[48], 3, 2, 4), // three tiles of 16 would be nine tasks: four of 12
+            (&[40], 3, 2, 4), // 10 each, not 16, 16, 8
+            (&[32], 3, 2, 2), // already even
+            (&[256], 3, 2, 16),
+            (&[1], 3, 2, 1),               // a decode row cannot be split
+            (&[5, 1, 1], 1, 4, 4 + 1 + 1), // decode rows beside it stay whole
+            (&[300, 0, 17], 5, 1, 19 + 2),
+        ];
+        for (lens, n_kv_head, threads, expected) in cases {
+            let rows: Vec<_> = lens.iter().map(|&n| row(n)).collect();
+            let tiles = query_tiles(&rows, n_kv_head, threads);
+            assert_eq!(tiles.len(), expected, "{lens:?}");
+            // Every token once, in order, each row's tiles within the row and at most QUERY_TILE.
+            let mut next = 0;
+            for &(r, first, m) in &tiles {
+                assert_eq!(first, next, "{lens:?}");
+                assert!((1..=QUERY_TILE).contains(&m), "{lens:?}: a tile of {m}");
+                let row_start: usize = lens[..r].iter().sum();
+                assert!(first + m <= row_start + lens[r], "{lens:?}: tile past its row");
+                next += m;
+            }
+            assert_eq!(next, lens.iter().sum::<usize>(), "{lens:?}");
+        }
+        // A turn's tiles are sizes one apart.
+        let sizes: Vec<usize> = query_tiles(&[row(40)], 3, 2).iter().map(|t| t.2).collect();
+        assert_eq!(sizes, [10, 10, 10, 10]);
+        let sizes: Vec<usize> = query_tiles(&[row(50)], 3, 2).iter().map(|t| t.2).collect();
+        assert_eq!(sizes, [13, 13, 12, 12]);
     }
 }
