@@ -708,7 +708,7 @@ fn bench_attention() -> Value {
         kv_cache::BlockId,
         model::{
             BatchRow,
-            attention::{Attention, Heads, LayerKv, Rope, RopeStyle, paged_attention},
+            attention::{Attention, Heads, KvDtype, LayerKv, Rope, RopeStyle, paged_attention},
         },
     };
     let heads = Heads { n_head: 9, n_kv_head: 3, head_dim: 64 };
@@ -720,9 +720,11 @@ fn bench_attention() -> Value {
     let cases: [(&str, usize, usize, usize); 3] =
         [("prefill_1000_cold", 1, 0, 1000), ("turn_48_after_1400", 1, 1400, 48), ("decode_16_rows_at_512", 16, 512, 1)];
     let mut out = Vec::new();
-    for (name, rows, cached, new) in cases {
+    for (dtype, (name, rows, cached, new)) in
+        [KvDtype::F32, KvDtype::F16].into_iter().flat_map(|d| cases.map(|c| (d, c)))
+    {
         let per_row = (cached + new).div_ceil(block);
-        let mut kv = LayerKv::new(rows * per_row, block, heads);
+        let mut kv = LayerKv::with_dtype(rows * per_row, block, heads, dtype);
         let blocks: Vec<Vec<BlockId>> =
             (0..rows).map(|r| (0..per_row).map(|b| BlockId::new((b * rows + r) as u32)).collect()).collect();
         let ids = vec![0u32; cached + new];
@@ -754,7 +756,8 @@ fn bench_attention() -> Value {
         }
         let seconds = median(runs);
         let macs: usize = (cached..cached + new).map(|p| p + 1).sum::<usize>() * rows * q_row * 2;
-        out.push(json!({"case": name, "us": seconds * 1e6, "gmac_s": macs as f64 / seconds / 1e9}));
+        let kv = format!("{dtype:?}").to_lowercase();
+        out.push(json!({"case": name, "kv": kv, "us": seconds * 1e6, "gmac_s": macs as f64 / seconds / 1e9}));
     }
     Value::Array(out)
 }

@@ -9,7 +9,10 @@ use anyhow::{Context, Result};
 use candle_core::quantized::gguf_file;
 
 use crate::{
-    model::llama::{LlamaModel, LoadOptions},
+    model::{
+        attention::KvDtype,
+        llama::{LlamaModel, LoadOptions},
+    },
     tokenizer::ModelTokenizer,
 };
 
@@ -59,6 +62,11 @@ pub struct ModelArgs {
     /// does, even on the CPU (slower there; for testing and comparing that path).
     #[arg(long, env = "BELLOWS_DEVICE_ATTENTION")]
     pub device_attention: bool,
+    /// What the KV cache stores keys and values as: f32 (exact: greedy output matches llama.cpp's)
+    /// or f16 (half the memory a token, so twice the tokens in the same pool, and faster decode
+    /// over long contexts; each key and value rounded once as it is stored). Host cache only.
+    #[arg(long, env = "BELLOWS_KV_CACHE_DTYPE", value_enum, default_value_t = KvDtype::F32)]
+    pub kv_cache_dtype: KvDtype,
 }
 
 impl ModelArgs {
@@ -74,6 +82,7 @@ impl ModelArgs {
             progress,
             own_matmul: !self.candle_matmul,
             device_attention: self.device_attention,
+            kv_dtype: self.kv_cache_dtype,
         };
         load_gguf(&self.path(), &opts, self.tokenizer_json.as_deref())
     }

@@ -15,6 +15,8 @@
 
 use std::{array::from_fn, ops::Range};
 
+use half::{f16, vec::HalfBitsVecExt};
+
 use super::{BatchRow, exp::exp_shifted};
 
 /// Below this many multiply-adds a step's attention runs on the calling thread.
@@ -118,34 +120,144 @@ impl Attention {
     }
 }
 
+/// What the host KV cache stores each key and value element as.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvDtype {
+    /// Single precision: attention's bits do not depend on the cache (the engine's greedy output
+    /// matches llama.cpp's token for token).
+    #[default]
+    F32,
+    /// Half precision (IEEE binary16, rounded to nearest): half the bytes, so twice the tokens in
+    /// the same memory and half the reads for a long context's decode, which those reads bound.
+    /// Each key and value is rounded once as it is stored; queries, weights and sums stay f32.
+    F16,
+}
+
+impl KvDtype {
+    /// Bytes one element takes.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => size_of::<f32>(),
+            KvDtype::F16 => size_of::<f16>(),
+        }
+    }
+}
+
 /// One layer's paged K and V storage. Values lie as `[block][slot][kv_head][head_dim]`: the
 /// weighted sum reads a position's row. Keys lie transposed within each block,
 /// `[block][kv_head][head_dim][slot]`: the key kernel (`qk_block`) takes a block's positions as
 /// vector lanes.
 pub struct LayerKv {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    planes: Planes,
     block_size: usize,
 }
 
+/// The keys and values in the cache's element type.
+enum Planes {
+    F32(Plane<f32>),
+    F16(Plane<f16>),
+}
+
+/// Keys and values of one element type, laid out as [`LayerKv`] says.
+struct Plane<E> {
+    k: Vec<E>,
+    v: Vec<E>,
+}
+
 impl LayerKv {
+    /// A single-precision cache (see [`KvDtype::F32`]).
     pub fn new(num_blocks: usize, block_size: usize, heads: Heads) -> Self {
+        Self::with_dtype(num_blocks, block_size, heads, KvDtype::F32)
+    }
+
+    pub fn with_dtype(num_blocks: usize, block_size: usize, heads: Heads, dtype: KvDtype) -> Self {
         let n = num_blocks * block_size * heads.n_kv_head * heads.head_dim;
-        LayerKv { k: vec![0.0; n], v: vec![0.0; n], block_size }
+        // Zeroed allocations: the pages are mapped when first written, not here.
+        let planes = match dtype {
+            KvDtype::F32 => Planes::F32(Plane { k: vec![0.0; n], v: vec![0.0; n] }),
+            KvDtype::F16 => {
+                Planes::F16(Plane { k: vec![0u16; n].reinterpret_into(), v: vec![0u16; n].reinterpret_into() })
+            }
+        };
+        LayerKv { planes, block_size }
     }
 
     /// Store one position's keys and values (all KV heads, `[kv_head][head_dim]` each) in `slot`
     /// of `block`.
     fn write(&mut self, block: crate::kv_cache::BlockId, slot: usize, k: &[f32], v: &[f32]) {
-        let (bs, row) = (self.block_size, v.len());
+        match &mut self.planes {
+            Planes::F32(plane) => plane.write(self.block_size, block, slot, k, v),
+            Planes::F16(plane) => plane.write(self.block_size, block, slot, k, v),
+        }
+    }
+}
+
+impl<E: KvElement> Plane<E> {
+    fn write(&mut self, bs: usize, block: crate::kv_cache::BlockId, slot: usize, k: &[f32], v: &[f32]) {
+        let row = v.len();
         let at = (block.index() * bs + slot) * row;
-        self.v[at..at + row].copy_from_slice(v);
+        for (to, &x) in self.v[at..at + row].iter_mut().zip(v) {
+            *to = E::from_f32(x);
+        }
         // The block's heads' [head_dim][slot] matrices one after another: element `d` of the
         // position's keys (all heads) is row `d` of them.
         let keys = &mut self.k[block.index() * bs * row..][..bs * row];
         for (d, &x) in k.iter().enumerate() {
-            keys[d * bs + slot] = x;
+            keys[d * bs + slot] = E::from_f32(x);
         }
+    }
+}
+
+/// An element type of the cache: how the kernels read it as f32.
+trait KvElement: Copy + Send + Sync + 'static {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+
+    /// The sixteen elements at `p` as floats; lanes outside `mask` are zero and not read.
+    ///
+    /// SAFETY: the CPU has AVX-512F, BW and VL; every element in `mask` is readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512;
+}
+
+impl KvElement for f32 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16(p: *const Self, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_maskz_loadu_ps(mask, p) }
+    }
+}
+
+impl KvElement for f16 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self.to_f32()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16(p: *const Self, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; binary16 widens to f32 exactly.
+        unsafe { _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast())) }
     }
 }
 
@@ -264,9 +376,9 @@ impl PagedRows<'_> {
 /// lanes: each of `dot`'s eight lane sums is a register of sixteen slots' sums, and its fold is
 /// seven adds of registers, where keys laid in rows needed a sum across lanes for every score
 /// (which cost as much as the multiplies).
-fn qk_block<const R: usize>(
+fn qk_block<E: KvElement, const R: usize>(
     q: [&[f32]; R],
-    keys: &[f32],
+    keys: &[E],
     block_size: usize,
     slots: Range<usize>,
     scale: f32,
@@ -289,9 +401,9 @@ fn qk_block<const R: usize>(
 
 /// [`qk_block`] on any CPU: `dot`'s lane sums for eight slots at a time, in fixed-size arrays
 /// the compiler turns into vector registers where it can, then its fold and tail per slot.
-fn qk_block_portable<const R: usize>(
+fn qk_block_portable<E: KvElement, const R: usize>(
     q: [&[f32]; R],
-    keys: &[f32],
+    keys: &[E],
     block_size: usize,
     slots: Range<usize>,
     scale: f32,
@@ -305,7 +417,9 @@ fn qk_block_portable<const R: usize>(
         // Dimension `d` of the chunk's keys (zeros past its last slot: their sums are not stored).
         let key = |d: usize| {
             let mut k = [0f32; W];
-            k[..n].copy_from_slice(&keys[d * block_size + c..][..n]);
+            for (k, x) in k.iter_mut().zip(&keys[d * block_size + c..][..n]) {
+                *k = x.to_f32();
+            }
             k
         };
         for (q, out) in q.iter().zip(out.iter_mut()) {
@@ -319,7 +433,7 @@ fn qk_block_portable<const R: usize>(
             for (s, o) in out[c - slots.start..][..n].iter_mut().enumerate() {
                 let mut score = fold(&from_fn(|l| acc[l][s]));
                 for d in whole..hd {
-                    score = q[d].mul_add(keys[d * block_size + c + s], score);
+                    score = q[d].mul_add(keys[d * block_size + c + s].to_f32(), score);
                 }
                 *o = score * scale;
             }
@@ -336,10 +450,10 @@ const SLOT_LANES: usize = 16;
 /// at `keys`; `slots.len()` floats are writable at each `out[r]`, overlapping nothing else;
 /// `slots.end <= block_size`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn qk_block_avx512<const R: usize>(
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn qk_block_avx512<E: KvElement, const R: usize>(
     q: [*const f32; R],
-    keys: *const f32,
+    keys: *const E,
     block_size: usize,
     hd: usize,
     slots: Range<usize>,
@@ -354,7 +468,7 @@ unsafe fn qk_block_avx512<const R: usize>(
         for c in slots.clone().step_by(SLOT_LANES) {
             let mask = (u32::MAX >> (32 - (slots.end - c).min(SLOT_LANES))) as __mmask16;
             let k = keys.add(c);
-            let key = |d: usize| _mm512_maskz_loadu_ps(mask, k.add(d * block_size));
+            let key = |d: usize| E::load16(k.add(d * block_size), mask);
             let term = |r: usize, d: usize| _mm512_set1_ps(*q[r].add(d));
             // Lane sum `l` of `dot` for every head: dimensions l, l + 8, ... in order.
             let mut acc = [[_mm512_setzero_ps(); LANES]; R];
@@ -384,7 +498,13 @@ unsafe fn qk_block_avx512<const R: usize>(
 /// value rows `s`, the first at element `off`, added in row order: called block after block,
 /// each element is summed in position order from 0. Columns are taken [`TILE`] at a time, kept
 /// in registers.
-fn weighted_run<const R: usize>(weights: [&[f32]; R], values: &[f32], off: usize, stride: usize, out: [&mut [f32]; R]) {
+fn weighted_run<E: KvElement, const R: usize>(
+    weights: [&[f32]; R],
+    values: &[E],
+    off: usize,
+    stride: usize,
+    out: [&mut [f32]; R],
+) {
     let n = weights[0].len();
     assert!(weights.iter().all(|w| w.len() == n), "as many weights for each query");
     let mut out = out.map(|o| o.as_chunks_mut::<TILE>());
@@ -405,9 +525,8 @@ fn weighted_run<const R: usize>(weights: [&[f32]; R], values: &[f32], off: usize
             let tile = &mut out[r].0[t];
             let mut acc = *tile;
             for (s, &w) in weights[r].iter().enumerate() {
-                let v: &[f32; TILE] = values[base + s * stride..][..TILE].try_into().expect("a whole tile");
-                for c in 0..TILE {
-                    acc[c] = w.mul_add(v[c], acc[c]);
+                for (a, v) in acc.iter_mut().zip(&values[base + s * stride..][..TILE]) {
+                    *a = w.mul_add(v.to_f32(), *a);
                 }
             }
             *tile = acc;
@@ -422,18 +541,19 @@ fn weighted_run<const R: usize>(weights: [&[f32]; R], values: &[f32], off: usize
         for (s, &w) in weights[r].iter().enumerate() {
             let v = &values[off + s * stride + first..][..rest.len()];
             for (o, x) in rest.iter_mut().zip(v) {
-                *o = w.mul_add(*x, *o);
+                *o = w.mul_add(x.to_f32(), *o);
             }
         }
     }
 }
 
-/// Whether this CPU runs AVX-512F (the build targets AVX2, so wider kernels are chosen at run
-/// time). Each column's fused multiply-adds are the same at any width: the bits do not change.
+/// Whether this CPU runs AVX-512F, with BW and VL for the half-precision cache's loads (the build
+/// targets AVX2, so wider kernels are chosen at run time). Each column's fused multiply-adds are the same at any width: the bits do not change.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 fn avx512() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
+    use std::arch::is_x86_feature_detected as has;
+    has!("avx512f") && has!("avx512bw") && has!("avx512vl")
 }
 
 /// [`weighted_run`]'s tile of [`TILE`] columns for each of `R` rows of weights (heads sharing
@@ -446,10 +566,10 @@ fn avx512() -> bool {
 /// and `s` below its rows; each `weights[r]` holds a weight for every row of the runs; each
 /// `tiles[r]` is `TILE` writable floats, overlapping no other.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn weighted_tile_avx512<const R: usize>(
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn weighted_tile_avx512<E: KvElement, const R: usize>(
     mut weights: [*const f32; R],
-    values: *const f32,
+    values: *const E,
     runs: &[(usize, usize)],
     stride: usize,
     tiles: [*mut f32; R],
@@ -463,7 +583,7 @@ unsafe fn weighted_tile_avx512<const R: usize>(
         for &(off, rows) in runs {
             for s in 0..rows {
                 let v = values.add(off + s * stride);
-                let vs: [__m512; TILE / W] = from_fn(|c| _mm512_loadu_ps(v.add(c * W)));
+                let vs: [__m512; TILE / W] = from_fn(|c| E::load16(v.add(c * W), u16::MAX));
                 for r in 0..R {
                     let w = _mm512_set1_ps(*weights[r].add(s));
                     for c in 0..TILE / W {
@@ -500,7 +620,15 @@ struct QueryTile<'a> {
 impl QueryTile<'_> {
     /// Every query's scores against the block's `len` slots at positions `p..`: [`qk_block`]'s
     /// bits (on AVX-512 its kernel, with the bounds checked once for the whole tile).
-    fn scores(&self, keys: &[f32], block_size: usize, p: usize, len: usize, scale: f32, scores: &mut [f32]) {
+    fn scores<E: KvElement>(
+        &self,
+        keys: &[E],
+        block_size: usize,
+        p: usize,
+        len: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
         #[cfg(target_arch = "x86_64")]
         if avx512() {
             let (n_max, hd, group) = (self.n_max, self.hd, self.group);
@@ -516,7 +644,7 @@ impl QueryTile<'_> {
                         let qr = |i: usize| q.add(self.first + j * self.q_row + (h + i) * hd);
                         let sr = |i: usize| s.add((j * group + h + i) * n_max + p);
                         match n {
-                            3 => qk_block_avx512::<3>(
+                            3 => qk_block_avx512::<_, 3>(
                                 from_fn(qr),
                                 keys.as_ptr(),
                                 block_size,
@@ -525,7 +653,7 @@ impl QueryTile<'_> {
                                 scale,
                                 from_fn(sr),
                             ),
-                            2 => qk_block_avx512::<2>(
+                            2 => qk_block_avx512::<_, 2>(
                                 from_fn(qr),
                                 keys.as_ptr(),
                                 block_size,
@@ -534,7 +662,9 @@ impl QueryTile<'_> {
                                 scale,
                                 from_fn(sr),
                             ),
-                            _ => qk_block_avx512::<1>([qr(0)], keys.as_ptr(), block_size, hd, 0..len, scale, [sr(0)]),
+                            _ => {
+                                qk_block_avx512::<_, 1>([qr(0)], keys.as_ptr(), block_size, hd, 0..len, scale, [sr(0)])
+                            }
                         }
                     }
                 }
@@ -550,10 +680,10 @@ impl QueryTile<'_> {
     /// its group's heads in runs that read the same keys: [`qk_block`] for each run.
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    fn query_scores(
+    fn query_scores<E: KvElement>(
         &self,
         j: usize,
-        keys: &[f32],
+        keys: &[E],
         block_size: usize,
         p: usize,
         slots: Range<usize>,
@@ -568,9 +698,13 @@ impl QueryTile<'_> {
             let run = &mut heads[h * n_max..(h + n) * n_max];
             let (slots, cols) = (slots.clone(), cols.clone());
             match n {
-                3 => qk_block::<3>(from_fn(|i| q(h + i)), keys, block_size, slots, scale, rows_mut(run, n_max, cols)),
-                2 => qk_block::<2>(from_fn(|i| q(h + i)), keys, block_size, slots, scale, rows_mut(run, n_max, cols)),
-                _ => qk_block::<1>([q(h)], keys, block_size, slots, scale, rows_mut(run, n_max, cols)),
+                3 => {
+                    qk_block::<_, 3>(from_fn(|i| q(h + i)), keys, block_size, slots, scale, rows_mut(run, n_max, cols))
+                }
+                2 => {
+                    qk_block::<_, 2>(from_fn(|i| q(h + i)), keys, block_size, slots, scale, rows_mut(run, n_max, cols))
+                }
+                _ => qk_block::<_, 1>([q(h)], keys, block_size, slots, scale, rows_mut(run, n_max, cols)),
             }
         }
     }
@@ -580,11 +714,11 @@ impl QueryTile<'_> {
     /// of heads. `out` is laid out as `q` (the task's heads, zeroed at its start, its own).
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    fn query_weigh(
+    fn query_weigh<E: KvElement>(
         &self,
         j: usize,
         scores: &[f32],
-        values: &[f32],
+        values: &[E],
         off: usize,
         stride: usize,
         p: usize,
@@ -598,9 +732,9 @@ impl QueryTile<'_> {
         let first_row = off + slots.start * stride;
         for (h, n) in head_runs(group) {
             match n {
-                3 => weighted_run::<3>(from_fn(|i| w(h + i)), values, first_row, stride, from_fn(|i| o(h + i))),
-                2 => weighted_run::<2>(from_fn(|i| w(h + i)), values, first_row, stride, from_fn(|i| o(h + i))),
-                _ => weighted_run::<1>([w(h)], values, first_row, stride, [o(h)]),
+                3 => weighted_run::<_, 3>(from_fn(|i| w(h + i)), values, first_row, stride, from_fn(|i| o(h + i))),
+                2 => weighted_run::<_, 2>(from_fn(|i| w(h + i)), values, first_row, stride, from_fn(|i| o(h + i))),
+                _ => weighted_run::<_, 1>([w(h)], values, first_row, stride, [o(h)]),
             }
         }
     }
@@ -612,10 +746,10 @@ impl QueryTile<'_> {
     /// heads share each value load and the sums stay in registers across all the blocks (a call
     /// per query and block, with its checks and its tile's loads and stores, cost a fifth of the
     /// weighing).
-    fn weigh_span(
+    fn weigh_span<E: KvElement>(
         &self,
         scores: &[f32],
-        values: &[f32],
+        values: &[E],
         runs: &[(usize, usize)],
         stride: usize,
         p: usize,
@@ -652,11 +786,11 @@ impl QueryTile<'_> {
                             };
                             let v = v.add(t);
                             match tokens * n {
-                                6 => weighted_tile_avx512::<6>(from_fn(w), v, runs, stride, from_fn(o)),
-                                4 => weighted_tile_avx512::<4>(from_fn(w), v, runs, stride, from_fn(o)),
-                                3 => weighted_tile_avx512::<3>(from_fn(w), v, runs, stride, from_fn(o)),
-                                2 => weighted_tile_avx512::<2>(from_fn(w), v, runs, stride, from_fn(o)),
-                                _ => weighted_tile_avx512::<1>(from_fn(w), v, runs, stride, from_fn(o)),
+                                6 => weighted_tile_avx512::<_, 6>(from_fn(w), v, runs, stride, from_fn(o)),
+                                4 => weighted_tile_avx512::<_, 4>(from_fn(w), v, runs, stride, from_fn(o)),
+                                3 => weighted_tile_avx512::<_, 3>(from_fn(w), v, runs, stride, from_fn(o)),
+                                2 => weighted_tile_avx512::<_, 2>(from_fn(w), v, runs, stride, from_fn(o)),
+                                _ => weighted_tile_avx512::<_, 1>(from_fn(w), v, runs, stride, from_fn(o)),
                             }
                         }
                     }
@@ -764,12 +898,29 @@ pub fn paged_attention(
         kv.write(rows[r].blocks[pos / block_size], pos % block_size, kt, vt);
     }
 
+    match &kv.planes {
+        Planes::F32(plane) => attend(rows, q, &token_pos, plane, block_size, shape),
+        Planes::F16(plane) => attend(rows, q, &token_pos, plane, block_size, shape),
+    }
+}
+
+/// Every new token's attention (`q`, roped, its keys and values already stored) over the cache's
+/// `plane`: `token_pos` gives each token's (row, position).
+fn attend<E: KvElement>(
+    rows: &[BatchRow<'_>],
+    q: &[f32],
+    token_pos: &[(usize, usize)],
+    kv: &Plane<E>,
+    block_size: usize,
+    shape: Attention,
+) -> Vec<f32> {
+    let Heads { n_head, n_kv_head, head_dim: hd } = shape.heads;
+    let (q_row, kv_row) = (n_head * hd, n_kv_head * hd);
     let scale = shape.scale;
     let group = n_head / n_kv_head;
     // Not zeroed here: each task zeroes its own part (a memset of the whole output was work for
     // one thread while the others waited).
     let mut out = Vec::<f32>::with_capacity(q.len());
-    let kv = &*kv;
     let threads = candle_core::utils::barrier_pool().n_workers() + 1;
     let tiles = query_tiles(rows, n_kv_head, threads);
     let shared = DisjointOut { ptr: out.as_mut_ptr(), len: q.len() };
@@ -900,9 +1051,9 @@ fn query_tiles(rows: &[BatchRow<'_>], n_kv_head: usize, threads: usize) -> Vec<(
 /// result. A block of another sequence's cache is cold (in a batched decode step, every block
 /// is), and the CPU's own prefetcher starts over at each block, which lies anywhere in the pool.
 #[inline]
-fn prefetch(data: &[f32], start: usize, len: usize) {
+fn prefetch<E>(data: &[E], start: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    for at in (start..(start + len).min(data.len())).step_by(64 / size_of::<f32>()) {
+    for at in (start..(start + len).min(data.len())).step_by(64 / size_of::<E>()) {
         // SAFETY: a prefetch never faults or writes, and the address lies inside `data`.
         unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(data.as_ptr().add(at).cast()) };
     }
@@ -1003,6 +1154,7 @@ mod tests {
                 let at = (b.index() * block_size + slot) * stride;
                 kv.write(b, slot, &store[at..at + stride], &store[at..at + stride]);
             }
+            let Planes::F32(kv) = &kv.planes else { panic!("a single-precision cache") };
             let key_blocks = PagedRows { head: g * hd * block_size, ..paged };
             // Three queries of one KV group, as the engine runs them, then two, then each alone,
             // over whole blocks and over the middle of each (where a window or a tile edge cuts).
@@ -1176,6 +1328,56 @@ mod tests {
         );
         // A window wider than the sequence is plain causal attention.
         assert_eq!(bits(&attend_with(GROUPS_OF_THREE, 5, 35, false, Some(64), 0)), bits(&attend(5, 35, false)));
+    }
+
+    #[test]
+    fn a_half_cache_reads_as_the_single_precision_cache_of_its_rounded_values() {
+        use crate::kv_cache::BlockId;
+        let blocks: Vec<BlockId> = [9, 2, 14, 0, 5, 11, 3, 7, 1, 12].map(BlockId::new).to_vec();
+        let (block_size, all) = (4, 40);
+        let ids = [0u32; 40];
+        // Groups of three (SmolLM2's), heads of two value tiles, and a window's edge.
+        let two_tiles = Heads { n_head: 4, n_kv_head: 2, head_dim: 128 };
+        for (heads, window) in [(GROUPS_OF_THREE, None), (two_tiles, None), (GROUPS_OF_THREE, Some(6))] {
+            let (q_row, kv_row) = (heads.n_head * heads.head_dim, heads.n_kv_head * heads.head_dim);
+            let n = 16 * block_size * kv_row;
+            let mut half = Plane::<f16> { k: vec![f16::ZERO; n], v: vec![f16::ZERO; n] };
+            let mut rounded = Plane::<f32> { k: vec![0.0; n], v: vec![0.0; n] };
+            let mut exact = Plane::<f32> { k: vec![0.0; n], v: vec![0.0; n] };
+            let (k, v) = (wave(all * kv_row, 0.023), wave(all * kv_row, 0.017));
+            let round = |x: &[f32]| x.iter().map(|&x| f16::from_f32(x).to_f32()).collect::<Vec<_>>();
+            for p in 0..all {
+                let (b, slot) = (blocks[p / block_size], p % block_size);
+                let (k, v) = (&k[p * kv_row..][..kv_row], &v[p * kv_row..][..kv_row]);
+                half.write(block_size, b, slot, k, v);
+                rounded.write(block_size, b, slot, &round(k), &round(v));
+                exact.write(block_size, b, slot, k, v);
+            }
+            let shape = Attention { window, ..Attention::causal(heads) };
+            // One row's 19 new tokens after 21 (tiles, spans, the diagonal), then a decode step of
+            // three rows at different lengths over the same blocks.
+            let prefill = [BatchRow { tokens: &ids[..19], start_pos: 21, blocks: &blocks, want_logits: false }];
+            let decode =
+                [39, 30, 12].map(|p| BatchRow { tokens: &ids[..1], start_pos: p, blocks: &blocks, want_logits: false });
+            let prefill_pos: Vec<(usize, usize)> = (21..40).map(|p| (0, p)).collect();
+            for (rows, token_pos) in [(&prefill[..], &prefill_pos[..]), (&decode[..], &[(0, 39), (1, 30), (2, 12)])] {
+                let q = wave(token_pos.len() * q_row, 0.031);
+                let from_half = super::attend(rows, &q, token_pos, &half, block_size, shape);
+                let from_rounded = super::attend(rows, &q, token_pos, &rounded, block_size, shape);
+                assert!(bits(&from_half) == bits(&from_rounded), "{heads:?} {window:?}: {} rows", rows.len());
+                let from_exact = super::attend(rows, &q, token_pos, &exact, block_size, shape);
+                assert!(bits(&from_half) != bits(&from_exact), "{heads:?} {window:?}: nothing was rounded");
+                let worst = from_half.iter().zip(&from_exact).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst < 1e-2, "{heads:?} {window:?}: off by {worst}");
+            }
+            // The portable key kernel reads half keys as their values too.
+            let (q, keys) = (wave(heads.head_dim, 0.29), |i: usize| i * heads.head_dim * block_size);
+            let (mut a, mut b) = (vec![0f32; block_size], vec![0f32; block_size]);
+            let at = keys(blocks[1].index() * heads.n_kv_head);
+            qk_block_portable([&q], &half.k[at..], block_size, 0..block_size, 0.5, [&mut a]);
+            qk_block_portable([&q], &rounded.k[at..], block_size, 0..block_size, 0.5, [&mut b]);
+            assert_eq!(bits(&a), bits(&b), "{heads:?}: portable key scores");
+        }
     }
 
     #[test]

@@ -31,7 +31,7 @@ use candle_core::{
 
 use super::{
     Backend, BatchRow, ModelSpec,
-    attention::{Attention, Heads, LayerKv, Rope, RopeStyle, paged_attention},
+    attention::{Attention, Heads, KvDtype, LayerKv, Rope, RopeStyle, paged_attention},
     device_attention::{DeviceKv, DeviceRope, StepPlan, paged_attention_on_device},
     q8_matmul::{self, Q8Weights},
     q8_vnni::{self, VnniWeights},
@@ -58,11 +58,20 @@ pub struct LoadOptions {
     /// (`device_attention`), even on the CPU: how CI tests the path a GPU runs. A CUDA device
     /// always takes it (the host kernel would copy q, k and v to the host in every layer).
     pub device_attention: bool,
+    /// What the host KV cache stores keys and values as (the device path keeps f32).
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { requantize: true, repack: true, progress: false, own_matmul: true, device_attention: false }
+        LoadOptions {
+            requantize: true,
+            repack: true,
+            progress: false,
+            own_matmul: true,
+            device_attention: false,
+            kv_dtype: KvDtype::F32,
+        }
     }
 }
 
@@ -341,6 +350,8 @@ pub struct LlamaModel {
     ropes: Vec<Rope>,
     /// Whether `allocate_kv` puts the pool on the device (see [`LoadOptions::device_attention`]).
     device_attention: bool,
+    /// What a host pool stores (see [`LoadOptions::kv_dtype`]).
+    kv_dtype: KvDtype,
     kv: KvStore,
 }
 
@@ -550,11 +561,14 @@ impl LlamaModel {
             architecture: cfg.architecture.clone(),
             vocab_size: cfg.vocab_size,
             context_length: cfg.context_length,
-            kv_bytes_per_token: cfg.n_layer * 2 * cfg.heads.n_kv_head * cfg.heads.head_dim * 4,
+            kv_bytes_per_token: cfg.n_layer * 2 * cfg.heads.n_kv_head * cfg.heads.head_dim * opts.kv_dtype.bytes(),
             device: device_name(&device).into(),
         };
         // A GPU always attends on the device: the host kernel would copy q, k and v every layer.
         let device_attention = opts.device_attention || !device.is_cpu();
+        if device_attention && opts.kv_dtype != KvDtype::F32 {
+            bail!("a {:?} KV cache is for the host kernel; the device path keeps f32", opts.kv_dtype);
+        }
         Ok(LlamaModel {
             spec,
             cfg,
@@ -566,6 +580,7 @@ impl LlamaModel {
             lm_head,
             ropes,
             device_attention,
+            kv_dtype: opts.kv_dtype,
             kv: KvStore::Unallocated,
         })
     }
@@ -710,7 +725,8 @@ impl Backend for LlamaModel {
                 block_size,
             }
         } else {
-            KvStore::Host((0..n_layer).map(|_| LayerKv::new(num_blocks, block_size, heads)).collect())
+            let dtype = self.kv_dtype;
+            KvStore::Host((0..n_layer).map(|_| LayerKv::with_dtype(num_blocks, block_size, heads, dtype)).collect())
         };
         Ok(())
     }
