@@ -428,7 +428,7 @@ log "schema: every object with properties is closed"
 # do not take), then validate the renders.
 values_files=("" "$CHART"/ci/*.yaml)
 set_variants=(
-    "worker.gpu.enabled=false,serviceAccount.create=false,image.registry=,fullnameOverride=a-forty-character-release-name-012345678,worker.autoscaling.keda.enabled=true"
+    "worker.gpu.enabled=false,worker.kvCacheDtype=f16,serviceAccount.create=false,image.registry=,fullnameOverride=a-forty-character-release-name-012345678,worker.autoscaling.keda.enabled=true"
     "worker.model.source=none,worker.model.path=/opt/model.gguf,router.autoscaling.enabled=false,router.pdb.enabled=false,router.replicaCount=1,worker.preStopSleepSeconds=0,worker.replicas=0"
     "worker.model.source=url,worker.model.url.url=https://example.com/m.gguf,worker.model.url.sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53,worker.model.url.cache=emptyDir,router.service.type=NodePort,router.service.nodePort=30080,etcd.replicas=5"
     "tls.source=certManager,tls.certManager.issuerRef.name=bellows-ca,tls.certManager.issuerRef.kind=ClusterIssuer,router.httpTls.existingSecret=bellows-api-tls,metrics.serviceMonitor.enabled=true,jaeger.enabled=true"
@@ -484,6 +484,8 @@ must_fail "misspelt nested key router.autoscaling.maxReplica" "Additional proper
     "$HELM" lint --strict "$CHART" -f "$(neg nested $'router:\n  autoscaling:\n    maxReplica: 4')"
 must_fail "mistyped worker.drainTimeoutSeconds: \"30s\"" "drainTimeoutSeconds: Invalid type" \
     "$HELM" template bellows "$CHART" -f "$(neg mistyped $'worker:\n  drainTimeoutSeconds: "30s"')"
+must_fail "a KV cache type the worker does not take" "kvCacheDtype" \
+    "$HELM" template bellows "$CHART" --set worker.kvCacheDtype=bf16
 must_fail "a plain-text API key in router.auth.tenants" "Additional property key is not allowed" \
     "$HELM" template bellows "$CHART" -f "$(neg plainkey $'router:\n  auth:\n    tenants:\n      - name: a\n        key: sk-live-0123456789\n        key_sha256: [2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae]')"
 must_fail "a plain-text key where its hash belongs" "Does not match pattern" \

@@ -10,8 +10,13 @@
 //! so a block's scores fill the lanes of a register with no sum across lanes; the key scores,
 //! the value tiles and the exponential take AVX-512 registers where the CPU has them, chosen at
 //! run time), and each is tested to give the very bits of the plain one-at-a-time loop. Tried and
-//! dropped: a half-precision cache, and the key sums in another order (two chains over the halves
-//! of a head): each moved a near-tie of the tests' prompts away from llama.cpp's greedy tokens.
+//! dropped: the key sums in another order (two chains over the halves of a head), which moved a
+//! near-tie of the tests' prompts away from llama.cpp's greedy tokens.
+//!
+//! The cache is f32 by default, for that same reason. A half-precision cache ([`KvDtype::F16`])
+//! is an option: each key and value is rounded once as it is stored and widened as the kernels
+//! load it, so attention over it gives the bits of the f32 kernels over the rounded values (the
+//! same fixed order: still independent of chunk and batch), for half the bytes a token.
 
 use std::{array::from_fn, ops::Range};
 

@@ -1,214 +1,315 @@
-//! The exponential that attention's softmax and the sampler's weights take: evaluated in double
-//! precision and rounded once, so it is within one ulp of glibc's `expf` (a single-precision
-//! polynomial moved a near-tie in the model's greedy output away from llama.cpp's), and the same
-//! bits on every path (AVX2, AVX-512 chosen at run time, portable): a row's softmax never depends
-//! on the CPU feature that ran it.
+//! The exponential that attention's softmax, the sampler's weights and SwiGLU's gate take: the C
+//! library's `expf`, bit for bit, many values at once.
+//!
+//! glibc's `expf` on CPUs with FMA (`__expf_fma`, the variant glibc picks on every CPU this build
+//! runs on) evaluates in double precision: a 32-entry table of 2^(i/32), a cubic for the rest,
+//! one rounding to f32. The vector paths here replay its fast path step for step (the same
+//! table, constants, fused multiply-adds and roundings), sixteen values at a time on AVX-512 and
+//! eight on AVX2, so the same bits; inputs outside that fast path (beyond ±88, not a number) go
+//! to `expf` itself, except those below -104, whose `expf` is 0. A softmax or a sampler's weights
+//! so never depend on the CPU feature that computed them, and stay what the scalar `expf` gave
+//! (with which the engine's greedy output was first matched to llama.cpp's). An earlier
+//! evaluation (an 11-term Taylor series in double precision) was within one ulp of `expf` and
+//! took three times the multiply-adds: a fifth of a conversation turn's attention.
 
-/// Values [`exp8`] takes at once.
-const LANES: usize = 8;
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
 
-const EXP_LOG2E: f64 = std::f64::consts::LOG2_E;
-/// ln 2 in two parts, for the range reduction r = x - n ln 2 (n * EXP_LN2_HI is exact here).
-const EXP_LN2_HI: f64 = f64::from_bits(0x3FE6_2E42_FEE0_0000);
-const EXP_LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
-/// Taylor coefficients 1/k! for k = 0..=11: the remainder is below 1e-14 for |r| <= ln2 / 2.
-const EXP_C: [f64; 12] = [
-    1.0,
-    1.0,
-    0.5,
-    1.0 / 6.0,
-    1.0 / 24.0,
-    1.0 / 120.0,
-    1.0 / 720.0,
-    1.0 / 5_040.0,
-    1.0 / 40_320.0,
-    1.0 / 362_880.0,
-    1.0 / 3_628_800.0,
-    1.0 / 39_916_800.0,
+/// glibc's `__expf_fma` table: 2^(i/32) as f64 bits, less `i << 47` (`__exp2f_data.tab`).
+const TABLE: [u64; 32] = [
+    0x3ff0000000000000,
+    0x3fefd9b0d3158574,
+    0x3fefb5586cf9890f,
+    0x3fef9301d0125b51,
+    0x3fef72b83c7d517b,
+    0x3fef54873168b9aa,
+    0x3fef387a6e756238,
+    0x3fef1e9df51fdee1,
+    0x3fef06fe0a31b715,
+    0x3feef1a7373aa9cb,
+    0x3feedea64c123422,
+    0x3feece086061892d,
+    0x3feebfdad5362a27,
+    0x3feeb42b569d4f82,
+    0x3feeab07dd485429,
+    0x3feea47eb03a5585,
+    0x3feea09e667f3bcd,
+    0x3fee9f75e8ec5f74,
+    0x3feea11473eb0187,
+    0x3feea589994cce13,
+    0x3feeace5422aa0db,
+    0x3feeb737b0cdc5e5,
+    0x3feec49182a3f090,
+    0x3feed503b23e255d,
+    0x3feee89f995ad3ad,
+    0x3feeff76f2fb5e47,
+    0x3fef199bdd85529c,
+    0x3fef3720dcef9069,
+    0x3fef5818dcfba487,
+    0x3fef7c97337b9b5f,
+    0x3fefa4afa2a490da,
+    0x3fefd0765b6e4540,
 ];
-/// exp(-110) is 0 in f32; clamping there keeps 2^n a normal f64 (and turns -inf into 0).
-const EXP_LOWEST: f32 = -110.0;
+/// Its 32 / ln 2 and its rounding shift, 1.5 * 2^52.
+const INV_LN2_N: f64 = f64::from_bits(0x40471547652b82fe);
+const SHIFT: f64 = f64::from_bits(0x4338000000000000);
+/// Its polynomial for 2^(r/32) - 1: the cube's, the square's and the linear coefficient.
+const POLY: [f64; 3] =
+    [f64::from_bits(0x3ebc6af84b912394), f64::from_bits(0x3f2ebfce50fac4f3), f64::from_bits(0x3f962e42ff0c52d6)];
+/// Inputs whose exponent bits (the top 12 less the sign) reach 88.0's leave its fast path.
+const FAST_BELOW: i32 = 0x42b;
+/// Below this, `expf` is 0 (exp(-104) is under half the least subnormal float).
+const ZERO_BELOW: f32 = -104.0;
 
-/// `exp` of eight values at once, evaluated in double precision and rounded once to `f32`: so
-/// close to correctly rounded that, checked once over every float in [-104, 0], it differed from
-/// glibc's `expf` on 97,053 of 1.12 billion, by one ulp each. (A single-precision polynomial, within 2 ulp, differed
-/// often enough to move a near-tie in the model's greedy output away from llama.cpp's.) The AVX
-/// and the portable version perform the same operations, so they give the same bits.
-#[inline(always)]
-fn exp8(x: [f32; LANES]) -> [f32; LANES] {
-    #[cfg(all(target_arch = "x86_64", target_feature = "fma", target_feature = "avx2"))]
-    // SAFETY: AVX2 and FMA are enabled at compile time (the cfg above); loads and stores are of
-    // whole arrays (8 floats in, 4 floats out per half).
-    unsafe {
-        use std::arch::x86_64::*;
-        let xs = _mm256_max_ps(_mm256_loadu_ps(x.as_ptr()), _mm256_set1_ps(EXP_LOWEST));
-        let mut out = [0f32; LANES];
-        for (half, h) in [_mm256_castps256_ps128(xs), _mm256_extractf128_ps::<1>(xs)].into_iter().enumerate() {
-            let xd = _mm256_cvtps_pd(h);
-            let n = _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_pd(
-                xd,
-                _mm256_set1_pd(EXP_LOG2E),
-            ));
-            let r = _mm256_fnmadd_pd(n, _mm256_set1_pd(EXP_LN2_HI), xd);
-            let r = _mm256_fnmadd_pd(n, _mm256_set1_pd(EXP_LN2_LO), r);
-            let mut p = _mm256_set1_pd(EXP_C[11]);
-            for &c in EXP_C[..11].iter().rev() {
-                p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c));
-            }
-            let n = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
-            let scale = _mm256_castsi256_pd(_mm256_slli_epi64::<52>(_mm256_add_epi64(n, _mm256_set1_epi64x(1023))));
-            _mm_storeu_ps(out.as_mut_ptr().add(half * 4), _mm256_cvtpd_ps(_mm256_mul_pd(p, scale)));
-        }
-        out
-    }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "fma", target_feature = "avx2")))]
-    exp8_portable(x)
-}
-
-/// [`exp8`] of `x - max` for every chunk, each in one 8-lane double-precision register: the same
-/// operations, so the same bits.
+/// `expf` of sixteen values, its bits in every lane.
 ///
 /// SAFETY: the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn exp_shifted_avx512(chunks: &mut [[f32; LANES]], max: f32) {
-    use std::arch::x86_64::*;
-    for c in chunks {
-        // SAFETY: eight floats in and out, unaligned.
-        unsafe {
-            let x = _mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), _mm256_set1_ps(max));
-            let xd = _mm512_cvtps_pd(_mm256_max_ps(x, _mm256_set1_ps(EXP_LOWEST)));
-            let n = _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_pd(
-                xd,
-                _mm512_set1_pd(EXP_LOG2E),
-            ));
-            let r = _mm512_fnmadd_pd(n, _mm512_set1_pd(EXP_LN2_HI), xd);
-            let r = _mm512_fnmadd_pd(n, _mm512_set1_pd(EXP_LN2_LO), r);
-            let mut p = _mm512_set1_pd(EXP_C[11]);
-            for &c in EXP_C[..11].iter().rev() {
-                p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(c));
-            }
-            let n = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(n));
-            let scale = _mm512_castsi512_pd(_mm512_slli_epi64::<52>(_mm512_add_epi64(n, _mm512_set1_epi64(1023))));
-            _mm256_storeu_ps(c.as_mut_ptr(), _mm512_cvtpd_ps(_mm512_mul_pd(p, scale)));
+#[inline]
+pub(crate) unsafe fn expf16_avx512(x: __m512) -> __m512 {
+    let lo = expf8_fast_avx512(_mm512_castps512_ps256(x));
+    let hi = expf8_fast_avx512(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x))));
+    let e =
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi)));
+    let zero = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(ZERO_BELOW));
+    let e = _mm512_mask_blend_ps(zero, e, _mm512_setzero_ps());
+    let top = _mm512_and_si512(_mm512_srli_epi32::<20>(_mm512_castps_si512(x)), _mm512_set1_epi32(0x7ff));
+    let slow = _mm512_cmpge_epi32_mask(top, _mm512_set1_epi32(FAST_BELOW)) & !zero;
+    if slow == 0 {
+        return e;
+    }
+    let (mut xs, mut es) = ([0f32; 16], [0f32; 16]);
+    // SAFETY: sixteen floats each, unaligned.
+    unsafe {
+        _mm512_storeu_ps(xs.as_mut_ptr(), x);
+        _mm512_storeu_ps(es.as_mut_ptr(), e);
+    }
+    for (l, e) in es.iter_mut().enumerate().filter(|(l, _)| slow & (1 << l) != 0) {
+        *e = xs[l].exp();
+    }
+    // SAFETY: sixteen floats, unaligned.
+    unsafe { _mm512_loadu_ps(es.as_ptr()) }
+}
+
+/// `__expf_fma`'s fast path on eight lanes in one double register, step for step (lanes outside
+/// it are wrong: [`expf16_avx512`] replaces them).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn expf8_fast_avx512(x: __m256) -> __m256 {
+    // SAFETY: eight of the table's 32 entries from `i`, for `i` in 0, 8, 16, 24.
+    let tab = |i: usize| unsafe { _mm512_loadu_si512(TABLE[i..i + 8].as_ptr().cast()) };
+    let xd = _mm512_cvtps_pd(x);
+    let (inv, shift) = (_mm512_set1_pd(INV_LN2_N), _mm512_set1_pd(SHIFT));
+    let z = _mm512_fmadd_pd(inv, xd, shift);
+    let ki = _mm512_castpd_si512(z);
+    let r = _mm512_fmsub_pd(inv, xd, _mm512_sub_pd(z, shift));
+    let idx = _mm512_and_si512(ki, _mm512_set1_epi64(31));
+    let low = _mm512_permutex2var_epi64(tab(0), idx, tab(8));
+    let high = _mm512_permutex2var_epi64(tab(16), idx, tab(24));
+    let t = _mm512_mask_blend_epi64(_mm512_test_epi64_mask(idx, _mm512_set1_epi64(16)), low, high);
+    let s = _mm512_castsi512_pd(_mm512_add_epi64(t, _mm512_slli_epi64::<47>(ki)));
+    let [c0, c1, c2] = POLY.map(|c| _mm512_set1_pd(c));
+    let p = _mm512_fmadd_pd(c0, r, c1);
+    let y = _mm512_fmadd_pd(c2, r, _mm512_set1_pd(1.0));
+    _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_fmadd_pd(p, _mm512_mul_pd(r, r), y), s))
+}
+
+/// `expf` of eight values, its bits in every lane: [`expf16_avx512`]'s steps in two 4-lane
+/// double registers.
+#[cfg(all(target_arch = "x86_64", target_feature = "fma", target_feature = "avx2"))]
+#[inline]
+fn expf8_avx2(x: [f32; 8]) -> [f32; 8] {
+    // SAFETY: AVX2 and FMA are enabled at compile time (the cfg above); the gathers read entries
+    // 0..32 of the table (indices masked to 5 bits); loads and stores are of whole arrays.
+    unsafe {
+        let xs = _mm256_loadu_ps(x.as_ptr());
+        let (inv, shift) = (_mm256_set1_pd(INV_LN2_N), _mm256_set1_pd(SHIFT));
+        let [c0, c1, c2] = POLY.map(|c| _mm256_set1_pd(c));
+        let mut out = [0f32; 8];
+        for (half, h) in [_mm256_castps256_ps128(xs), _mm256_extractf128_ps::<1>(xs)].into_iter().enumerate() {
+            let xd = _mm256_cvtps_pd(h);
+            let z = _mm256_fmadd_pd(inv, xd, shift);
+            let ki = _mm256_castpd_si256(z);
+            let r = _mm256_fmsub_pd(inv, xd, _mm256_sub_pd(z, shift));
+            let idx = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+            let t = _mm256_i64gather_epi64::<8>(TABLE.as_ptr().cast(), idx);
+            let s = _mm256_castsi256_pd(_mm256_add_epi64(t, _mm256_slli_epi64::<47>(ki)));
+            let p = _mm256_fmadd_pd(c0, r, c1);
+            let y = _mm256_fmadd_pd(c2, r, _mm256_set1_pd(1.0));
+            let e = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_fmadd_pd(p, _mm256_mul_pd(r, r), y), s));
+            _mm_storeu_ps(out.as_mut_ptr().add(half * 4), e);
         }
+        for (o, &x) in out.iter_mut().zip(&x) {
+            if x < ZERO_BELOW {
+                *o = 0.0;
+            } else if ((x.to_bits() >> 20) & 0x7ff) as i32 >= FAST_BELOW {
+                *o = x.exp();
+            }
+        }
+        out
     }
 }
 
-/// [`exp8`] without SIMD: the same operations one lane at a time.
-#[cfg_attr(all(target_arch = "x86_64", target_feature = "fma", target_feature = "avx2"), allow(dead_code))]
-fn exp8_portable(x: [f32; LANES]) -> [f32; LANES] {
-    x.map(|x| {
-        let xd = f64::from(x.max(EXP_LOWEST));
-        let n = (xd * EXP_LOG2E).round_ties_even();
-        let r = (-n).mul_add(EXP_LN2_LO, (-n).mul_add(EXP_LN2_HI, xd));
-        let p = EXP_C[..11].iter().rev().fold(EXP_C[11], |p, &c| p.mul_add(r, c));
-        (p * f64::from_bits(((n as i64 + 1023) as u64) << 52)) as f32
-    })
-}
-
-/// `exp(x - max)` of every value through [`exp8`], `max` the row's largest, which it returns.
+/// `exp(x - max)` of every value, `max` the row's largest, which it returns: `expf`'s bits,
+/// sixteen or eight at a time where the CPU has the registers.
 pub(crate) fn exp_shifted(row: &mut [f32]) -> f32 {
     // Max is exact in any order: eight lanes, then across them.
-    let (chunks, rest) = row.as_chunks::<LANES>();
-    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let (chunks, rest) = row.as_chunks::<8>();
+    let mut lanes = [f32::NEG_INFINITY; 8];
     for c in chunks {
-        for l in 0..LANES {
+        for l in 0..8 {
             lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
         }
     }
     let max = lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let (chunks, rest) = row.as_chunks_mut::<LANES>();
+    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F is present (checked at run time).
-        unsafe { exp_shifted_avx512(chunks, max) };
-    } else {
+        done = unsafe { exp_shifted_avx512(row, max) };
+    }
+    #[cfg(all(target_arch = "x86_64", target_feature = "fma", target_feature = "avx2"))]
+    {
+        let (chunks, _) = row[done..].as_chunks_mut::<8>();
         for c in chunks.iter_mut() {
-            *c = exp8(c.map(|x| x - max));
+            *c = expf8_avx2(c.map(|x| x - max));
         }
+        done += chunks.len() * 8;
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    for c in chunks.iter_mut() {
-        *c = exp8(c.map(|x| x - max));
-    }
-    if !rest.is_empty() {
-        let mut tail = [f32::NEG_INFINITY; LANES]; // exp gives 0 there; discarded anyway
-        tail[..rest.len()].copy_from_slice(rest);
-        let e = exp8(tail.map(|x| x - max));
-        rest.copy_from_slice(&e[..rest.len()]);
+    for x in &mut row[done..] {
+        *x = (*x - max).exp();
     }
     max
 }
 
+/// [`exp_shifted`]'s sixteens; returns how many values it did.
+///
+/// SAFETY: the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_shifted_avx512(row: &mut [f32], max: f32) -> usize {
+    let (chunks, _) = row.as_chunks_mut::<16>();
+    for c in chunks.iter_mut() {
+        // SAFETY: sixteen floats in and out, unaligned.
+        unsafe {
+            let x = _mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), _mm512_set1_ps(max));
+            _mm512_storeu_ps(c.as_mut_ptr(), expf16_avx512(x));
+        }
+    }
+    chunks.len() * 16
+}
+
 #[cfg(test)]
 mod tests {
-    use std::array::from_fn;
-
     use super::*;
 
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
-    #[test]
-    fn exp8_agrees_with_libm_to_one_ulp_and_underflows_to_zero() {
-        // Every 997th float in [-104, 0]; the full sweep is in exp8's doc.
-        let (mut bits, mut differ, mut total) = (0x8000_0000u32, 0, 0);
-        loop {
-            let xs: [f32; LANES] = from_fn(|l| f32::from_bits(bits + l as u32 * 997));
-            if xs[LANES - 1] < -104.0 {
-                break;
-            }
-            for (got, x) in exp8(xs).iter().zip(xs) {
-                let ulps = (got.to_bits() as i64 - x.exp().to_bits() as i64).abs();
-                assert!(ulps <= 1, "exp({x}) = {got}, libm {}", x.exp());
-                differ += usize::from(ulps > 0);
-                total += 1;
-            }
-            bits += LANES as u32 * 997;
+    /// Every `step`-th float of all 2^32 (as bits), and the edges of `expf`'s fast path and its
+    /// special cases.
+    fn floats(step: u32) -> Vec<f32> {
+        let mut xs: Vec<f32> = (0..=u32::MAX / step).map(|i| f32::from_bits(i * step)).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            88.0,
+            -88.0,
+            87.99,
+            -88.73,
+            -103.28,
+            -103.97,
+            -103.98,
+            -104.0,
+            -104.01,
+            103.98,
+            110.0,
+            -110.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+        ]);
+        xs
+    }
+
+    fn assert_libm(xs: &[f32], got: &[f32], path: &str) {
+        for (&x, &e) in xs.iter().zip(got) {
+            let libm = x.exp();
+            assert!(
+                e.to_bits() == libm.to_bits() || (e.is_nan() && libm.is_nan()),
+                "{path}: exp({x}) = {e}, not {libm}"
+            );
         }
-        assert!(differ * 1000 < total, "{differ} of {total} differ from libm");
-        assert_eq!(exp8([f32::NEG_INFINITY; LANES]), [0.0; LANES]);
-        let xs: [f32; LANES] = from_fn(|l| -(l as f32) * 13.37 - 0.123);
-        assert_eq!(exp8(xs).map(f32::to_bits), exp8_portable(xs).map(f32::to_bits), "the portable path's bits");
-        assert_eq!(exp8([0.0; LANES]), [1.0; LANES]);
     }
 
     #[test]
-    fn a_row_shifted_and_exponentiated_gets_exp8s_bits_on_every_path() {
-        // Every 991st float in [-110, 0], a row led by its maximum (0) and ending mid-chunk.
-        let mut row = vec![0f32];
+    fn every_path_gives_libms_bits_across_the_floats() {
+        // Every 61st float: both signs, tiny to huge, subnormal results, infinities, NaNs.
+        let xs = floats(61);
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            let (chunks, _) = xs.as_chunks::<16>();
+            let got: Vec<f32> = chunks
+                .iter()
+                .flat_map(|c| {
+                    let mut e = [0f32; 16];
+                    // SAFETY: AVX-512F is present (checked above); sixteen floats in and out.
+                    unsafe { _mm512_storeu_ps(e.as_mut_ptr(), expf16_avx512(_mm512_loadu_ps(c.as_ptr()))) };
+                    e
+                })
+                .collect();
+            assert_libm(&xs, &got, "AVX-512");
+        }
+        #[cfg(all(target_arch = "x86_64", target_feature = "fma", target_feature = "avx2"))]
+        {
+            let (chunks, _) = xs.as_chunks::<8>();
+            let got: Vec<f32> = chunks.iter().flat_map(|c| expf8_avx2(*c)).collect();
+            assert_libm(&xs, &got, "AVX2");
+        }
+    }
+
+    #[test]
+    fn a_row_shifted_and_exponentiated_gets_libms_bits() {
+        // Every 991st float in [-110, 0] and a -inf, shifted by a maximum of 2.5, a row whose
+        // length leaves a tail after its sixteens and its eights.
+        let mut row = vec![2.5f32, f32::NEG_INFINITY];
         let mut at = 0x8000_0001u32;
         while f32::from_bits(at) >= -110.0 {
             row.push(f32::from_bits(at));
             at += 991;
         }
-        while row.len() % LANES != 3 {
-            row.push(-1.5); // a tail of three
+        while row.len() % 16 != 11 {
+            row.push(-1.5);
         }
-        let expected: Vec<f32> = row.iter().map(|&x| exp8([x; LANES])[0]).collect();
+        let expected: Vec<f32> = row.iter().map(|&x| (x - 2.5).exp()).collect();
         let mut got = row.clone();
-        exp_shifted(&mut got);
-        assert!(bits(&got) == bits(&expected), "exp_shifted differs from exp8");
+        assert_eq!(exp_shifted(&mut got), 2.5);
+        assert!(bits(&got) == bits(&expected), "exp_shifted differs from libm");
     }
 
-    /// Every float in [-104, 0] (1.12 billion; seconds in release): the count in [`exp8`]'s doc.
-    /// `cargo test --release -p bellows-worker --lib exp8_on_every_float -- --ignored --nocapture`
+    /// All 2^32 floats through the AVX-512 path (about a minute in release):
+    /// `cargo test --release -p bellows-worker --lib exp_on_every_float -- --ignored`
     #[test]
     #[ignore]
-    fn exp8_on_every_float_is_within_one_ulp_of_libm() {
-        let (mut bits, mut differ, mut total) = (0x8000_0000u32, 0u64, 0u64);
-        while f32::from_bits(bits + LANES as u32 - 1) >= -104.0 {
-            let xs: [f32; LANES] = from_fn(|l| f32::from_bits(bits + l as u32));
-            for (got, x) in exp8(xs).iter().zip(xs) {
-                let ulps = (got.to_bits() as i64 - x.exp().to_bits() as i64).abs();
-                assert!(ulps <= 1, "exp({x}) = {got}, libm {}", x.exp());
-                differ += u64::from(ulps > 0);
-                total += 1;
+    fn the_vector_exp_on_every_float_gives_libms_bits() {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            let mut xs = [0f32; 16];
+            for hi in 0..=(u32::MAX >> 4) {
+                for (l, x) in xs.iter_mut().enumerate() {
+                    *x = f32::from_bits(hi << 4 | l as u32);
+                }
+                let mut e = [0f32; 16];
+                // SAFETY: AVX-512F is present (checked above); sixteen floats in and out.
+                unsafe { _mm512_storeu_ps(e.as_mut_ptr(), expf16_avx512(_mm512_loadu_ps(xs.as_ptr()))) };
+                assert_libm(&xs, &e, "AVX-512");
             }
-            bits += LANES as u32;
         }
-        eprintln!("exp8 differs from libm on {differ} of {total} floats in [-104, 0], by one ulp");
     }
 }

@@ -6,11 +6,8 @@
 //!
 //! Candle's `exp` is the C library's `expf`, one call a value (a scalar call the compiler cannot
 //! vectorize: as much time as the rest of the layer's element-wise work). On AVX-512, sixteen at a
-//! time here replay the very operations of glibc's `expf` on CPUs with FMA (`__expf_fma`, the
-//! variant glibc picks on every CPU this build runs on): the same table, constants, fused
-//! multiply-adds and roundings, so the same bits; inputs outside its fast path (beyond ±88, not a
-//! number) go to `expf` itself. A test holds the two to the same bits over every 61st float, and
-//! an ignored one over all of them.
+//! time here take `model::exp`'s vector `expf`, the same bits. A test holds the gate to the
+//! scalar formula's bits over every 61st float, and an ignored one over all of them.
 
 use anyhow::{Result, ensure};
 use candle_core::{CpuStorage, Device, Storage, Tensor};
@@ -60,50 +57,6 @@ fn gate_row(g: &[f32], u: &[f32], o: &mut [f32]) {
     }
 }
 
-/// glibc's `__expf_fma` table: 2^(i/32) as f64 bits, less `i << 47` (`__exp2f_data.tab`).
-const EXPF_TABLE: [u64; 32] = [
-    0x3ff0000000000000,
-    0x3fefd9b0d3158574,
-    0x3fefb5586cf9890f,
-    0x3fef9301d0125b51,
-    0x3fef72b83c7d517b,
-    0x3fef54873168b9aa,
-    0x3fef387a6e756238,
-    0x3fef1e9df51fdee1,
-    0x3fef06fe0a31b715,
-    0x3feef1a7373aa9cb,
-    0x3feedea64c123422,
-    0x3feece086061892d,
-    0x3feebfdad5362a27,
-    0x3feeb42b569d4f82,
-    0x3feeab07dd485429,
-    0x3feea47eb03a5585,
-    0x3feea09e667f3bcd,
-    0x3fee9f75e8ec5f74,
-    0x3feea11473eb0187,
-    0x3feea589994cce13,
-    0x3feeace5422aa0db,
-    0x3feeb737b0cdc5e5,
-    0x3feec49182a3f090,
-    0x3feed503b23e255d,
-    0x3feee89f995ad3ad,
-    0x3feeff76f2fb5e47,
-    0x3fef199bdd85529c,
-    0x3fef3720dcef9069,
-    0x3fef5818dcfba487,
-    0x3fef7c97337b9b5f,
-    0x3fefa4afa2a490da,
-    0x3fefd0765b6e4540,
-];
-/// Its 32 / ln 2 and its rounding shift, 1.5 * 2^52.
-const EXPF_INV_LN2_N: f64 = f64::from_bits(0x40471547652b82fe);
-const EXPF_SHIFT: f64 = f64::from_bits(0x4338000000000000);
-/// Its polynomial for 2^(r/32) - 1: the cube's, the square's and the linear coefficient.
-const EXPF_POLY: [f64; 3] =
-    [f64::from_bits(0x3ebc6af84b912394), f64::from_bits(0x3f2ebfce50fac4f3), f64::from_bits(0x3f962e42ff0c52d6)];
-/// Inputs whose exponent bits (the top 12 less the sign) reach 88.0's leave its fast path.
-const EXPF_FAST_BELOW: i32 = 0x42b;
-
 /// [`gate_row`] sixteen values at a time; returns how many it did (whole sixteens).
 ///
 /// SAFETY: the CPU has AVX-512F.
@@ -111,49 +64,15 @@ const EXPF_FAST_BELOW: i32 = 0x42b;
 #[target_feature(enable = "avx512f")]
 unsafe fn gate_row_avx512(g: &[f32], u: &[f32], o: &mut [f32]) -> usize {
     use std::arch::x86_64::*;
+
+    use super::exp::expf16_avx512;
     let n = g.len().min(u.len()).min(o.len()) / 16 * 16;
-    // SAFETY: eight of the table's 32 entries from `i`, for `i` in 0, 8, 16, 24.
-    let tab = |i: usize| unsafe { _mm512_loadu_si512(EXPF_TABLE[i..i + 8].as_ptr().cast()) };
-    let (t0, t1, t2, t3) = (tab(0), tab(8), tab(16), tab(24));
-    let (inv, shift, one) = (_mm512_set1_pd(EXPF_INV_LN2_N), _mm512_set1_pd(EXPF_SHIFT), _mm512_set1_pd(1.0));
-    let [c0, c1, c2] = EXPF_POLY.map(|c| _mm512_set1_pd(c));
-    // `__expf_fma`'s fast path on eight lanes, step for step.
-    let exp8 = |x: __m256| {
-        let xd = _mm512_cvtps_pd(x);
-        let z = _mm512_fmadd_pd(inv, xd, shift);
-        let ki = _mm512_castpd_si512(z);
-        let r = _mm512_fmsub_pd(inv, xd, _mm512_sub_pd(z, shift));
-        let idx = _mm512_and_si512(ki, _mm512_set1_epi64(31));
-        let low = _mm512_permutex2var_epi64(t0, idx, t1);
-        let high = _mm512_permutex2var_epi64(t2, idx, t3);
-        let t = _mm512_mask_blend_epi64(_mm512_test_epi64_mask(idx, _mm512_set1_epi64(16)), low, high);
-        let s = _mm512_castsi512_pd(_mm512_add_epi64(t, _mm512_slli_epi64::<47>(ki)));
-        let p = _mm512_fmadd_pd(c0, r, c1);
-        let y = _mm512_fmadd_pd(c2, r, one);
-        _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_fmadd_pd(p, _mm512_mul_pd(r, r), y), s))
-    };
     for i in (0..n).step_by(16) {
-        // SAFETY: sixteen values at `i` in each slice (`i + 16 <= n`).
+        // SAFETY: sixteen values at `i` in each slice (`i + 16 <= n`); AVX-512F (the caller's).
         unsafe {
             let gv = _mm512_loadu_ps(g.as_ptr().add(i));
             let x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(i32::MIN)));
-            let lo = exp8(_mm512_castps512_ps256(x));
-            let hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x))));
-            let mut e = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                _mm512_castps_pd(_mm512_castps256_ps512(lo)),
-                _mm256_castps_pd(hi),
-            ));
-            let top = _mm512_and_si512(_mm512_srli_epi32::<20>(_mm512_castps_si512(x)), _mm512_set1_epi32(0x7ff));
-            let slow = _mm512_cmpge_epi32_mask(top, _mm512_set1_epi32(EXPF_FAST_BELOW));
-            if slow != 0 {
-                // Beyond ±88 or not a number: `expf` itself, lane by lane.
-                let mut lanes = [0f32; 16];
-                _mm512_storeu_ps(lanes.as_mut_ptr(), e);
-                for (l, v) in lanes.iter_mut().enumerate().filter(|(l, _)| slow & (1 << l) != 0) {
-                    *v = (-g[i + l]).exp();
-                }
-                e = _mm512_loadu_ps(lanes.as_ptr());
-            }
+            let e = expf16_avx512(x);
             let up = _mm512_loadu_ps(u.as_ptr().add(i));
             let gated = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e)), up);
             _mm512_storeu_ps(o.as_mut_ptr().add(i), gated);
