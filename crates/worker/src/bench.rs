@@ -717,8 +717,13 @@ fn bench_attention() -> Value {
     let rope = Rope::new(RopeStyle::Interleaved, 64, 10000.0, 2048);
     let wave = |n: usize, f: f32| (0..n).map(|i| ((i as f32) * f).sin()).collect::<Vec<f32>>();
     // (case, rows, cached positions per row, new tokens per row)
-    let cases: [(&str, usize, usize, usize); 3] =
-        [("prefill_1000_cold", 1, 0, 1000), ("turn_48_after_1400", 1, 1400, 48), ("decode_16_rows_at_512", 16, 512, 1)];
+    let cases: [(&str, usize, usize, usize); 4] = [
+        ("prefill_1000_cold", 1, 0, 1000),
+        ("turn_48_after_1400", 1, 1400, 48),
+        ("decode_16_rows_at_512", 16, 512, 1),
+        // Every row's history read once a step: bound by the cache's bytes.
+        ("decode_64_rows_at_1000", 64, 1000, 1),
+    ];
     let mut out = Vec::new();
     for (dtype, (name, rows, cached, new)) in
         [KvDtype::F32, KvDtype::F16].into_iter().flat_map(|d| cases.map(|c| (d, c)))

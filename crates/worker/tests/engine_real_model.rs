@@ -425,6 +425,9 @@ fn a_half_precision_cache_halves_a_tokens_bytes_and_keeps_every_request_exact_un
     let (mut single_model, tok) = load(LoadOptions::default());
     let (mut half_model, _) = load(half.clone());
     assert_eq!(half_model.spec().kv_bytes_per_token * 2, single_model.spec().kv_bytes_per_token);
+    let on_device = LoadOptions { device_attention: true, ..half.clone() };
+    let refused = load_gguf(&default_model_path(), &on_device, None).err().expect("the device path refuses f16");
+    assert!(refused.to_string().contains("device path"), "{refused}");
     let prompt =
         tok.encode("The quick brown fox jumps over the lazy dog. Then it ran into the forest, where", false).unwrap();
     let expected = prompt_logits(&mut single_model, &prompt, prompt.len());

@@ -567,7 +567,9 @@ impl LlamaModel {
         // A GPU always attends on the device: the host kernel would copy q, k and v every layer.
         let device_attention = opts.device_attention || !device.is_cpu();
         if device_attention && opts.kv_dtype != KvDtype::F32 {
-            bail!("a {:?} KV cache is for the host kernel; the device path keeps f32", opts.kv_dtype);
+            bail!(
+                "a half-precision KV cache is for the host kernel; the device path (a GPU, or device attention) keeps f32"
+            );
         }
         Ok(LlamaModel {
             spec,
