@@ -148,17 +148,13 @@ impl KvDtype {
     }
 }
 
-/// One layer's paged K and V storage, each KV head's part of a block in one piece: an attention
-/// task (one KV head) reads a block's keys and its values as two contiguous runs, where rows of
-/// all heads interleaved had it read a third of every row's bytes, which slowed a long
-/// context's decode (its blocks lie anywhere in the pool, so each starts cold). Values lie as
-/// `[block][kv_head][slot][head_dim]`: the weighted sum reads a position's row. Keys lie
-/// transposed, `[block][kv_head][head_dim][slot]`: the key kernel (`qk_block`) takes a block's
-/// positions as vector lanes.
+/// One layer's paged K and V storage. Values lie as `[block][slot][kv_head][head_dim]`: the
+/// weighted sum reads a position's row. Keys lie transposed within each block,
+/// `[block][kv_head][head_dim][slot]`: the key kernel (`qk_block`) takes a block's positions as
+/// vector lanes.
 pub struct LayerKv {
     planes: Planes,
     block_size: usize,
-    head_dim: usize,
 }
 
 /// The keys and values in the cache's element type.
@@ -188,28 +184,25 @@ impl LayerKv {
                 Planes::F16(Plane { k: vec![0u16; n].reinterpret_into(), v: vec![0u16; n].reinterpret_into() })
             }
         };
-        LayerKv { planes, block_size, head_dim: heads.head_dim }
+        LayerKv { planes, block_size }
     }
 
     /// Store one position's keys and values (all KV heads, `[kv_head][head_dim]` each) in `slot`
     /// of `block`.
     fn write(&mut self, block: crate::kv_cache::BlockId, slot: usize, k: &[f32], v: &[f32]) {
         match &mut self.planes {
-            Planes::F32(plane) => plane.write(self.block_size, self.head_dim, block, slot, k, v),
-            Planes::F16(plane) => plane.write(self.block_size, self.head_dim, block, slot, k, v),
+            Planes::F32(plane) => plane.write(self.block_size, block, slot, k, v),
+            Planes::F16(plane) => plane.write(self.block_size, block, slot, k, v),
         }
     }
 }
 
 impl<E: KvElement> Plane<E> {
-    fn write(&mut self, bs: usize, hd: usize, block: crate::kv_cache::BlockId, slot: usize, k: &[f32], v: &[f32]) {
+    fn write(&mut self, bs: usize, block: crate::kv_cache::BlockId, slot: usize, k: &[f32], v: &[f32]) {
         let row = v.len();
-        // The block's heads' [slot][head_dim] matrices one after another.
-        let values = &mut self.v[block.index() * bs * row..][..bs * row];
-        for (h, v) in v.chunks_exact(hd).enumerate() {
-            for (to, &x) in values[(h * bs + slot) * hd..][..hd].iter_mut().zip(v) {
-                *to = E::from_f32(x);
-            }
+        let at = (block.index() * bs + slot) * row;
+        for (to, &x) in self.v[at..at + row].iter_mut().zip(v) {
+            *to = E::from_f32(x);
         }
         // The block's heads' [head_dim][slot] matrices one after another: element `d` of the
         // position's keys (all heads) is row `d` of them.
@@ -359,14 +352,14 @@ fn softmax_rows(scores: &mut [f32], n: usize, range: impl Fn(usize) -> (usize, u
 
 /// One sequence's keys or values for one KV head, in position order: [`PagedRows::runs`] yields,
 /// block by block, the element offset where the head's part of the block starts (with `head` the
-/// offset of that part within a block: in `LayerKv`, of its keys' matrix and of its values' rows
-/// alike) and how many of the block's positions are below `n`.
+/// head's offset within a block: its row offset for values, its matrix's for the transposed keys)
+/// and how many of the block's positions are below `n`.
 struct PagedRows<'a> {
     blocks: &'a [crate::kv_cache::BlockId],
     block_size: usize,
-    /// Elements of one position of a block (all KV heads): a block is `block_size` of them.
+    /// Elements from one position's row to the next (all KV heads).
     stride: usize,
-    /// Offset of this KV head's part within a block.
+    /// Offset of this KV head within a row.
     head: usize,
 }
 
@@ -948,9 +941,7 @@ fn attend<E: KvElement>(
             // contiguous); no slice of them lives yet.
             unsafe { shared.zero((t0 + j) * q_row + g * group * hd, group * hd) };
         }
-        // This KV head's part of each block: its keys' matrix, and its values' rows `hd` apart
-        // (see `LayerKv`), at the same offsets.
-        let head_blocks = PagedRows { blocks: rows[r].blocks, block_size, stride: kv_row, head: g * hd * block_size };
+        let paged = PagedRows { blocks: rows[r].blocks, block_size, stride: kv_row, head: g * hd };
         // Query j sees positions visible(p0 + j); of the block run (p, len), the part
         // (first, count) lies there, `first` counted from p.
         let part = |j: usize, p: usize, len: usize| {
@@ -970,7 +961,9 @@ fn attend<E: KvElement>(
             row[..lo].fill(0.0);
             row[hi..].fill(0.0);
         }
-        let mut key_runs = head_blocks.runs(n_max).peekable();
+        // This KV head's transposed keys, block by block (see `LayerKv`).
+        let key_blocks = PagedRows { head: g * hd * block_size, ..paged };
+        let mut key_runs = key_blocks.runs(n_max).peekable();
         while let Some((p, off, len)) = key_runs.next() {
             // The next block's keys, one contiguous matrix, start loading while this one is used.
             if let Some(&(_, next, _)) = key_runs.peek() {
@@ -993,7 +986,7 @@ fn attend<E: KvElement>(
         // the others query by query.
         span.clear();
         let mut span_start = 0;
-        let mut value_runs = head_blocks.runs(n_max).peekable();
+        let mut value_runs = paged.runs(n_max).peekable();
         while let Some((p, off, len)) = value_runs.next() {
             if whole(p, len) {
                 if span.is_empty() {
@@ -1003,22 +996,22 @@ fn attend<E: KvElement>(
                 continue;
             }
             if !span.is_empty() {
-                tile.weigh_span(scores, &kv.v, span, hd, span_start, &shared);
+                tile.weigh_span(scores, &kv.v, span, kv_row, span_start, &shared);
                 span.clear();
             }
             // The next block's value rows of this KV head start loading while this one is used.
             if let Some(&(_, next, rows)) = value_runs.peek() {
-                prefetch(&kv.v, next, rows * hd);
+                (0..rows).for_each(|s| prefetch(&kv.v, next + s * kv_row, hd));
             }
             for j in 0..m {
                 let (first, count) = part(j, p, len);
                 if count > 0 {
-                    tile.query_weigh(j, scores, &kv.v, off, hd, p, first..first + count, &shared);
+                    tile.query_weigh(j, scores, &kv.v, off, kv_row, p, first..first + count, &shared);
                 }
             }
         }
         if !span.is_empty() {
-            tile.weigh_span(scores, &kv.v, span, hd, span_start, &shared);
+            tile.weigh_span(scores, &kv.v, span, kv_row, span_start, &shared);
         }
     };
     // Small steps (decode) run on this thread: waking the pool costs more than the work.
@@ -1361,9 +1354,9 @@ mod tests {
             for p in 0..all {
                 let (b, slot) = (blocks[p / block_size], p % block_size);
                 let (k, v) = (&k[p * kv_row..][..kv_row], &v[p * kv_row..][..kv_row]);
-                half.write(block_size, heads.head_dim, b, slot, k, v);
-                rounded.write(block_size, heads.head_dim, b, slot, &round(k), &round(v));
-                exact.write(block_size, heads.head_dim, b, slot, k, v);
+                half.write(block_size, b, slot, k, v);
+                rounded.write(block_size, b, slot, &round(k), &round(v));
+                exact.write(block_size, b, slot, k, v);
             }
             let shape = Attention { window, ..Attention::causal(heads) };
             // One row's 19 new tokens after 21 (tiles, spans, the diagonal), then a decode step of
