@@ -5,8 +5,9 @@
 #
 # Environment: BELLOWS_PORT (router port, default 8080), BELLOWS_WORKER_PORTS (default
 # "50051 50052"), BELLOWS_MODEL (another GGUF, e.g. from `scripts/fetch-model.sh gemma3`),
-# BELLOWS_MODEL_ID (served name, default SmolLM2-135M-Instruct). Extra arguments go to the router
-# (e.g. --policy round_robin).
+# BELLOWS_MODEL_ID (served name, default SmolLM2-135M-Instruct); the workers read their own
+# flags' variables too (e.g. BELLOWS_KV_CACHE_DTYPE=f16, `bellows-worker serve --help`). Extra
+# arguments go to the router (e.g. --policy round_robin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
