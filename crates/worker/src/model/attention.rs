@@ -175,6 +175,7 @@ impl LayerKv {
         Self::with_dtype(num_blocks, block_size, heads, KvDtype::F32)
     }
 
+    /// A cache of `num_blocks` blocks of `block_size` positions, its elements `dtype`.
     pub fn with_dtype(num_blocks: usize, block_size: usize, heads: Heads, dtype: KvDtype) -> Self {
         let n = num_blocks * block_size * heads.n_kv_head * heads.head_dim;
         // Zeroed allocations: the pages are mapped when first written, not here.
@@ -396,7 +397,7 @@ fn qk_block<E: KvElement, const R: usize>(
     #[cfg(target_arch = "x86_64")]
     if avx512() {
         let (q, out) = (q.map(<[f32]>::as_ptr), out.map(<[f32]>::as_mut_ptr));
-        // SAFETY: AVX-512F is present (checked at run time); every key read is below
+        // SAFETY: AVX-512F, BW and VL are present (checked at run time); every key read is below
         // `hd * block_size` (asserted above); each output holds `slots.len()` floats of its own.
         unsafe { qk_block_avx512(q, keys.as_ptr(), block_size, hd, slots, scale, out) };
         return;
@@ -451,9 +452,9 @@ const SLOT_LANES: usize = 16;
 
 /// [`qk_block`] sixteen slots to a register: `dot`'s lane sums, fold and tail, so its bits.
 ///
-/// SAFETY: the CPU has AVX-512F; `hd` floats are readable at each `q[r]`, and `hd * block_size`
-/// at `keys`; `slots.len()` floats are writable at each `out[r]`, overlapping nothing else;
-/// `slots.end <= block_size`.
+/// SAFETY: the CPU has AVX-512F, BW and VL; `hd` floats are readable at each `q[r]`, and
+/// `hd * block_size` elements at `keys`; `slots.len()` floats are writable at each `out[r]`,
+/// overlapping nothing else; `slots.end <= block_size`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn qk_block_avx512<E: KvElement, const R: usize>(
@@ -521,8 +522,8 @@ fn weighted_run<E: KvElement, const R: usize>(
         #[cfg(target_arch = "x86_64")]
         if avx512() {
             let tiles = from_fn(|r| out[r].0[t].as_mut_ptr());
-            // SAFETY: AVX-512F is present (checked at run time); every row read lies inside
-            // `values` (asserted above); the tiles are of different outputs.
+            // SAFETY: AVX-512F, BW and VL are present (checked at run time); every row read lies
+            // inside `values` (asserted above); the tiles are of different outputs.
             unsafe { weighted_tile_avx512(weights.map(<[f32]>::as_ptr), values.as_ptr(), &[(base, n)], stride, tiles) };
             continue;
         }
@@ -553,7 +554,8 @@ fn weighted_run<E: KvElement, const R: usize>(
 }
 
 /// Whether this CPU runs AVX-512F, with BW and VL for the half-precision cache's loads (the build
-/// targets AVX2, so wider kernels are chosen at run time). Each column's fused multiply-adds are the same at any width: the bits do not change.
+/// targets AVX2, so wider kernels are chosen at run time). Each column's fused multiply-adds are
+/// the same at any width: the bits do not change.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 fn avx512() -> bool {
@@ -567,9 +569,9 @@ fn avx512() -> bool {
 /// of a row for the `i`-th row of the runs. The sums stay in registers from the first run to the
 /// last, and each value load serves every row of weights (with six rows, 24 independent chains).
 ///
-/// SAFETY: the CPU has AVX-512F; `values + off + s * stride .. + TILE` is readable for every run
-/// and `s` below its rows; each `weights[r]` holds a weight for every row of the runs; each
-/// `tiles[r]` is `TILE` writable floats, overlapping no other.
+/// SAFETY: the CPU has AVX-512F, BW and VL; `values + off + s * stride .. + TILE` is readable
+/// for every run and `s` below its rows; each `weights[r]` holds a weight for every row of the
+/// runs; each `tiles[r]` is `TILE` writable floats, overlapping no other.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn weighted_tile_avx512<E: KvElement, const R: usize>(
@@ -643,8 +645,9 @@ impl QueryTile<'_> {
             let (q, s) = (self.q.as_ptr(), scores.as_mut_ptr());
             for j in 0..self.m {
                 for (h, n) in head_runs(group) {
-                    // SAFETY: AVX-512F is present (checked at run time); each q row and score
-                    // row lies inside its buffer (asserted above), the score rows are distinct.
+                    // SAFETY: AVX-512F, BW and VL are present (checked at run time); each q row
+                    // and score row lies inside its buffer (asserted above), the score rows are
+                    // distinct.
                     unsafe {
                         let qr = |i: usize| q.add(self.first + j * self.q_row + (h + i) * hd);
                         let sr = |i: usize| s.add((j * group + h + i) * n_max + p);
@@ -777,9 +780,10 @@ impl QueryTile<'_> {
                     // Row i of the call: token j0 + i / n, head h + i % n.
                     let at = |i: usize| (j0 + i / n, h + i % n);
                     for t in (0..hd).step_by(TILE) {
-                        // SAFETY: AVX-512F is present (checked at run time); the weights, value
-                        // rows and outputs lie inside their buffers (asserted above); the
-                        // outputs are this task's (the caller's), of different (token, head).
+                        // SAFETY: AVX-512F, BW and VL are present (checked at run time); the
+                        // weights, value rows and outputs lie inside their buffers (asserted
+                        // above); the outputs are this task's (the caller's), of different
+                        // (token, head).
                         unsafe {
                             let w = |i: usize| {
                                 let (j, h) = at(i);
