@@ -151,10 +151,15 @@ pub(crate) async fn serve_node(
         capacity: args.max_running as u32,
         version: env!("CARGO_PKG_VERSION").to_string(),
     };
+    // The KV pool in tokens: what `--kv-cache-mb` buys, and what `--kv-cache-dtype f16` doubles.
+    let kv_token_bytes = handle.spec().kv_bytes_per_token.max(1);
     tracing::info!(
         model_id = %record.model_id,
         context_length = record.context_length,
         block_size = record.block_size,
+        kv_cache_mib = handle.kv_cache_bytes() >> 20,
+        kv_cache_tokens = handle.kv_cache_bytes() / kv_token_bytes,
+        kv_bytes_per_token = kv_token_bytes,
         "model loaded"
     );
     node_metrics.set_engine(handle.clone());
