@@ -373,13 +373,11 @@ fn the_device_attention_path_follows_the_host_kernel_on_the_real_model() {
     let device = LoadOptions { device_attention: true, ..LoadOptions::default() };
     let (mut host_model, tok) = load(LoadOptions::default());
     let (mut device_model, _) = load(device.clone());
-    let prompt =
-        tok.encode("The quick brown fox jumps over the lazy dog. Then it ran into the forest, where", false).unwrap();
+    let prompt = tok.encode(LOGITS_PROMPT, false).unwrap();
     let expected = prompt_logits(&mut host_model, &prompt, prompt.len());
-    let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs()));
     for chunk in [prompt.len(), 5] {
         let got = prompt_logits(&mut device_model, &prompt, chunk);
-        let gap = expected.iter().zip(&got).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        let gap = logit_gap(&expected, &got);
         eprintln!("chunks of {chunk}: logits within {gap:e} of the host kernel's (relative to the largest)");
         assert!(gap < 0.1, "chunks of {chunk}: logits {gap} off the host kernel's");
         let argmax = bellows_worker::sampling::argmax;
@@ -390,20 +388,7 @@ fn the_device_attention_path_follows_the_host_kernel_on_the_real_model() {
     // Greedy tokens on the fixture prompts against the host kernel's, then all requests at once
     // (decoding rows padded beside each other, prefill chunks sharing steps with them) against
     // the same path one at a time.
-    let reference: Reference =
-        serde_json::from_str(include_str!("fixtures/greedy_reference.json")).expect("fixture parses");
-    let requests: Vec<_> = reference.cases.iter().map(|c| greedy(c.prompt_ids.clone(), 32)).collect();
-    let cfg = || EngineConfig {
-        scheduler: SchedulerConfig { max_batch_tokens: 8, max_running: 4, ..Default::default() },
-        ..Default::default()
-    };
-    let (host, _) = engine_with(LoadOptions::default(), cfg());
-    let expected: Vec<Vec<u32>> = requests.iter().map(|r| run(&host.handle(), r.clone()).tokens).collect();
-    let (on_device, _) = engine_with(device, cfg());
-    let h = on_device.handle();
-    let alone: Vec<Vec<u32>> = requests.iter().map(|r| run(&h, r.clone()).tokens).collect();
-    let streams: Vec<_> = requests.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
-    let together: Vec<Vec<u32>> = streams.into_iter().map(|s| collect(s).tokens).collect();
+    let FixtureRuns { reference, expected, alone, together } = fixture_runs(device);
     let agree = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
     for (i, case) in reference.cases.iter().enumerate() {
         let (with_host, with_batch) = (agree(&alone[i], &expected[i]), agree(&together[i], &alone[i]));
@@ -428,12 +413,10 @@ fn a_half_precision_cache_halves_a_tokens_bytes_and_keeps_every_request_exact_un
     let on_device = LoadOptions { device_attention: true, ..half.clone() };
     let refused = load_gguf(&default_model_path(), &on_device, None).err().expect("the device path refuses f16");
     assert!(refused.to_string().contains("device path"), "{refused}");
-    let prompt =
-        tok.encode("The quick brown fox jumps over the lazy dog. Then it ran into the forest, where", false).unwrap();
+    let prompt = tok.encode(LOGITS_PROMPT, false).unwrap();
     let expected = prompt_logits(&mut single_model, &prompt, prompt.len());
-    let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs()));
     let whole = prompt_logits(&mut half_model, &prompt, prompt.len());
-    let gap = expected.iter().zip(&whole).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+    let gap = logit_gap(&expected, &whole);
     eprintln!("f16 cache: logits within {gap:e} of the f32 cache's (relative to the largest)");
     assert!(gap > 0.0 && gap < 0.1, "logits {gap} off the f32 cache's");
     let argmax = bellows_worker::sampling::argmax;
@@ -441,22 +424,8 @@ fn a_half_precision_cache_halves_a_tokens_bytes_and_keeps_every_request_exact_un
     assert!(prompt_logits(&mut half_model, &prompt, 5) == whole, "chunks of 5 change the f16 cache's logits");
     drop((single_model, half_model));
 
-    let reference: Reference =
-        serde_json::from_str(include_str!("fixtures/greedy_reference.json")).expect("fixture parses");
-    let requests: Vec<_> = reference.cases.iter().map(|c| greedy(c.prompt_ids.clone(), 32)).collect();
-    let cfg = || EngineConfig {
-        scheduler: SchedulerConfig { max_batch_tokens: 8, max_running: 4, ..Default::default() },
-        ..Default::default()
-    };
-    let (single, _) = engine_with(LoadOptions::default(), cfg());
-    let expected: Vec<Vec<u32>> = requests.iter().map(|r| run(&single.handle(), r.clone()).tokens).collect();
-    let (halved, _) = engine_with(half.clone(), cfg());
-    let h = halved.handle();
-    let alone: Vec<Vec<u32>> = requests.iter().map(|r| run(&h, r.clone()).tokens).collect();
-    let streams: Vec<_> = requests.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
-    let together: Vec<Vec<u32>> = streams.into_iter().map(|s| collect(s).tokens).collect();
+    let FixtureRuns { reference, expected, alone, together } = fixture_runs(half.clone());
     assert_eq!(together, alone, "batching changed a request's tokens on the f16 cache");
-    drop((single, halved));
 
     // Step by step along the f32 cache's greedy continuation (so one parting does not carry
     // into the next steps), the f16 cache's model picks the same next token at nearly every one.
@@ -469,6 +438,44 @@ fn a_half_precision_cache_halves_a_tokens_bytes_and_keeps_every_request_exact_un
         (picked, steps) = (picked + same, steps + tokens.len());
     }
     assert!(picked * 10 >= steps * 9, "the f32 cache's next token at only {picked} of {steps} steps");
+}
+
+/// The prompt whose last token's logits the tests compare between load options.
+const LOGITS_PROMPT: &str = "The quick brown fox jumps over the lazy dog. Then it ran into the forest, where";
+
+/// The largest difference between two logit vectors, relative to `expected`'s largest logit.
+fn logit_gap(expected: &[f32], got: &[f32]) -> f32 {
+    let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs()));
+    expected.iter().zip(got).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+/// The fixture prompts' greedy tokens (32 each): `expected` on the default load options; `alone`
+/// and `together` on `opts`, each request by itself, then all at once (prefill chunks sharing
+/// steps with decoding rows, with 8-token steps and 4 running).
+struct FixtureRuns {
+    reference: Reference,
+    expected: Vec<Vec<u32>>,
+    alone: Vec<Vec<u32>>,
+    together: Vec<Vec<u32>>,
+}
+
+fn fixture_runs(opts: LoadOptions) -> FixtureRuns {
+    let reference: Reference =
+        serde_json::from_str(include_str!("fixtures/greedy_reference.json")).expect("fixture parses");
+    let requests: Vec<_> = reference.cases.iter().map(|c| greedy(c.prompt_ids.clone(), 32)).collect();
+    let cfg = || EngineConfig {
+        scheduler: SchedulerConfig { max_batch_tokens: 8, max_running: 4, ..Default::default() },
+        ..Default::default()
+    };
+    let (default, _) = engine_with(LoadOptions::default(), cfg());
+    let expected = requests.iter().map(|r| run(&default.handle(), r.clone()).tokens).collect();
+    drop(default);
+    let (other, _) = engine_with(opts, cfg());
+    let h = other.handle();
+    let alone = requests.iter().map(|r| run(&h, r.clone()).tokens).collect();
+    let streams: Vec<_> = requests.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
+    let together = streams.into_iter().map(|s| collect(s).tokens).collect();
+    FixtureRuns { reference, expected, alone, together }
 }
 
 /// The greedy next token after `prompt` and after each prefix of `continuation`, fed to `model`

@@ -201,6 +201,32 @@ unsafe fn exp_shifted_avx512(row: &mut [f32], max: f32) -> usize {
     chunks.len() * 16
 }
 
+/// The edges of `expf`'s fast path, of its zero and subnormal results, and its special cases: what
+/// the tests of every vector exp put side by side.
+#[cfg(test)]
+pub(crate) const EDGES: [f32; 20] = [
+    0.0,
+    -0.0,
+    88.0,
+    -88.0,
+    87.99,
+    -88.73,
+    -103.28,
+    -103.97,
+    -103.98,
+    -104.0,
+    -104.01,
+    103.98,
+    110.0,
+    -110.0,
+    f32::INFINITY,
+    f32::NEG_INFINITY,
+    f32::NAN,
+    f32::MAX,
+    f32::MIN,
+    f32::MIN_POSITIVE,
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,32 +235,10 @@ mod tests {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
-    /// Every `step`-th float of all 2^32 (as bits), and the edges of `expf`'s fast path and its
-    /// special cases.
+    /// Every `step`-th float of all 2^32 (as bits), and [`EDGES`].
     fn floats(step: u32) -> Vec<f32> {
         let mut xs: Vec<f32> = (0..=u32::MAX / step).map(|i| f32::from_bits(i * step)).collect();
-        xs.extend([
-            0.0,
-            -0.0,
-            88.0,
-            -88.0,
-            87.99,
-            -88.73,
-            -103.28,
-            -103.97,
-            -103.98,
-            -104.0,
-            -104.01,
-            103.98,
-            110.0,
-            -110.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            f32::MAX,
-            f32::MIN,
-            f32::MIN_POSITIVE,
-        ]);
+        xs.extend(EDGES);
         xs
     }
 
