@@ -485,7 +485,7 @@ must_fail "misspelt nested key router.autoscaling.maxReplica" "Additional proper
 must_fail "mistyped worker.drainTimeoutSeconds: \"30s\"" "drainTimeoutSeconds: Invalid type" \
     "$HELM" template bellows "$CHART" -f "$(neg mistyped $'worker:\n  drainTimeoutSeconds: "30s"')"
 must_fail "a KV cache type the worker does not take" "kvCacheDtype" \
-    "$HELM" template bellows "$CHART" --set worker.kvCacheDtype=bf16
+    "$HELM" template bellows "$CHART" --set worker.kvCacheDtype=fp8
 must_fail "a plain-text API key in router.auth.tenants" "Additional property key is not allowed" \
     "$HELM" template bellows "$CHART" -f "$(neg plainkey $'router:\n  auth:\n    tenants:\n      - name: a\n        key: sk-live-0123456789\n        key_sha256: [2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae]')"
 must_fail "a plain-text key where its hash belongs" "Does not match pattern" \

@@ -726,7 +726,7 @@ fn bench_attention() -> Value {
     ];
     let mut out = Vec::new();
     for (dtype, (name, rows, cached, new)) in
-        [KvDtype::F32, KvDtype::F16].into_iter().flat_map(|d| cases.map(|c| (d, c)))
+        [KvDtype::F32, KvDtype::F16, KvDtype::Bf16].into_iter().flat_map(|d| cases.map(|c| (d, c)))
     {
         let per_row = (cached + new).div_ceil(block);
         let mut kv = LayerKv::with_dtype(rows * per_row, block, heads, dtype);

@@ -62,9 +62,11 @@ pub struct ModelArgs {
     /// does, even on the CPU (slower there; for testing and comparing that path).
     #[arg(long, env = "BELLOWS_DEVICE_ATTENTION")]
     pub device_attention: bool,
-    /// What the KV cache stores keys and values as: f32 (exact: greedy output matches llama.cpp's)
-    /// or f16 (half the memory a token, so twice the tokens in the same pool, and faster decode
-    /// over long contexts; each key and value rounded once as it is stored). Host cache only.
+    /// What the KV cache stores keys and values as: f32 (exact: greedy output matches llama.cpp's),
+    /// f16 (half the memory a token, so twice the tokens in the same pool, and faster decode over
+    /// long contexts; each key and value rounded once as it is stored) or bf16 (f16's memory, and
+    /// attention's products in bfloat16 as well: prompts over a long history, such as a chat's
+    /// next turn, prefill faster on CPUs with AVX-512 BF16). Host cache only.
     #[arg(long, env = "BELLOWS_KV_CACHE_DTYPE", value_enum, default_value_t = KvDtype::F32)]
     pub kv_cache_dtype: KvDtype,
 }

@@ -406,29 +406,46 @@ fn a_half_precision_cache_halves_a_tokens_bytes_and_keeps_every_request_exact_un
     // measured within 4.1% of the f32 cache's (relative to the largest), the same next token, and
     // greedy continuations that part at near-ties. What does not change is the engine's
     // exactness: a request's tokens whatever the chunking or the batch.
-    let half = LoadOptions { kv_dtype: KvDtype::F16, ..LoadOptions::default() };
+    a_16_bit_cache_keeps_every_request_exact(KvDtype::F16, 0.1, 0.9);
+}
+
+#[test]
+fn a_bfloat16_cache_halves_a_tokens_bytes_and_keeps_every_request_exact_under_batching() {
+    // Queries, keys, values and softmax weights rounded to bfloat16 (2^-9 each), sums in f32:
+    // the last prompt token's logits were measured within 4.8% of the f32 cache's, the same next
+    // token, and the next token along the f32 cache's greedy continuations the same at 125 of 128
+    // steps (f16: 124). Still exact under chunking and batching: every sum runs in one order.
+    a_16_bit_cache_keeps_every_request_exact(KvDtype::Bf16, 0.1, 0.9);
+}
+
+/// A 16-bit cache (`dtype`) on the real model: a token's bytes halve; the last prompt token's
+/// logits within `max_gap` of the f32 cache's (relative to the largest) and the same next token;
+/// chunking and batching change nothing, bit for bit; along the f32 cache's greedy continuations,
+/// the same next token at `agree` of the steps or more; the device path refuses it.
+fn a_16_bit_cache_keeps_every_request_exact(dtype: KvDtype, max_gap: f32, agree: f64) {
+    let half = LoadOptions { kv_dtype: dtype, ..LoadOptions::default() };
     let (mut single_model, tok) = load(LoadOptions::default());
     let (mut half_model, _) = load(half.clone());
     assert_eq!(half_model.spec().kv_bytes_per_token * 2, single_model.spec().kv_bytes_per_token);
     let on_device = LoadOptions { device_attention: true, ..half.clone() };
-    let refused = load_gguf(&default_model_path(), &on_device, None).err().expect("the device path refuses f16");
+    let refused = load_gguf(&default_model_path(), &on_device, None).err().expect("the device path refuses it");
     assert!(refused.to_string().contains("device path"), "{refused}");
     let prompt = tok.encode(LOGITS_PROMPT, false).unwrap();
     let expected = prompt_logits(&mut single_model, &prompt, prompt.len());
     let whole = prompt_logits(&mut half_model, &prompt, prompt.len());
     let gap = logit_gap(&expected, &whole);
-    eprintln!("f16 cache: logits within {gap:e} of the f32 cache's (relative to the largest)");
-    assert!(gap > 0.0 && gap < 0.1, "logits {gap} off the f32 cache's");
+    eprintln!("{dtype:?} cache: logits within {gap:e} of the f32 cache's (relative to the largest)");
+    assert!(gap > 0.0 && gap < max_gap, "logits {gap} off the f32 cache's");
     let argmax = bellows_worker::sampling::argmax;
     assert_eq!(argmax(&whole), argmax(&expected), "the next token");
-    assert!(prompt_logits(&mut half_model, &prompt, 5) == whole, "chunks of 5 change the f16 cache's logits");
+    assert!(prompt_logits(&mut half_model, &prompt, 5) == whole, "chunks of 5 change the {dtype:?} cache's logits");
     drop((single_model, half_model));
 
     let FixtureRuns { reference, expected, alone, together } = fixture_runs(half.clone());
-    assert_eq!(together, alone, "batching changed a request's tokens on the f16 cache");
+    assert_eq!(together, alone, "batching changed a request's tokens on the {dtype:?} cache");
 
     // Step by step along the f32 cache's greedy continuation (so one parting does not carry
-    // into the next steps), the f16 cache's model picks the same next token at nearly every one.
+    // into the next steps), the 16-bit cache's model picks the same next token at most.
     let (mut half_model, _) = load(half);
     let (mut picked, mut steps) = (0, 0);
     for (case, tokens) in reference.cases.iter().zip(&expected) {
@@ -437,7 +454,8 @@ fn a_half_precision_cache_halves_a_tokens_bytes_and_keeps_every_request_exact_un
         eprintln!("{:?}: the f32 cache's next token at {same} of {} steps", case.prompt, tokens.len());
         (picked, steps) = (picked + same, steps + tokens.len());
     }
-    assert!(picked * 10 >= steps * 9, "the f32 cache's next token at only {picked} of {steps} steps");
+    eprintln!("{dtype:?}: the f32 cache's next token at {picked} of {steps} steps");
+    assert!(picked as f64 >= steps as f64 * agree, "the f32 cache's next token at only {picked} of {steps} steps");
 }
 
 /// The prompt whose last token's logits the tests compare between load options.

@@ -152,18 +152,23 @@ fn expf8_avx2(x: [f32; 8]) -> [f32; 8] {
     }
 }
 
-/// `exp(x - max)` of every value, `max` the row's largest, which it returns: `expf`'s bits,
-/// sixteen or eight at a time where the CPU has the registers.
-pub(crate) fn exp_shifted(row: &mut [f32]) -> f32 {
-    // Max is exact in any order: eight lanes, then across them.
-    let (chunks, rest) = row.as_chunks::<8>();
-    let mut lanes = [f32::NEG_INFINITY; 8];
+/// The largest of `row` (negative infinity if empty): exact in any order, so in sixteen lanes, then
+/// across them.
+pub(crate) fn max(row: &[f32]) -> f32 {
+    let (chunks, rest) = row.as_chunks::<16>();
+    let mut lanes = [f32::NEG_INFINITY; 16];
     for c in chunks {
-        for l in 0..8 {
+        for l in 0..16 {
             lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
         }
     }
-    let max = lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+/// `exp(x - max)` of every value, `max` the row's largest, which it returns: `expf`'s bits,
+/// sixteen or eight at a time where the CPU has the registers.
+pub(crate) fn exp_shifted(row: &mut [f32]) -> f32 {
+    let max = max(row);
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {

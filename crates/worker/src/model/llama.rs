@@ -568,7 +568,7 @@ impl LlamaModel {
         let device_attention = opts.device_attention || !device.is_cpu();
         if device_attention && opts.kv_dtype != KvDtype::F32 {
             bail!(
-                "a half-precision KV cache is for the host kernel; the device path (a GPU, or device attention) keeps f32"
+                "a 16-bit KV cache (f16, bf16) is for the host kernel; the device path (a GPU, or device attention) keeps f32"
             );
         }
         Ok(LlamaModel {
@@ -728,6 +728,12 @@ impl Backend for LlamaModel {
             }
         } else {
             let dtype = self.kv_dtype;
+            if dtype == KvDtype::Bf16 && !(block_size.is_multiple_of(2) && heads.head_dim.is_multiple_of(2)) {
+                bail!(
+                    "a bf16 KV cache pairs slots and dimensions: blocks of {block_size} and heads of {} must be even",
+                    heads.head_dim
+                );
+            }
             KvStore::Host((0..n_layer).map(|_| LayerKv::with_dtype(num_blocks, block_size, heads, dtype)).collect())
         };
         Ok(())

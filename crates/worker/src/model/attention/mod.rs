@@ -24,6 +24,8 @@ use half::{f16, vec::HalfBitsVecExt};
 
 use super::{BatchRow, exp::exp_shifted};
 
+mod bf16;
+
 /// Below this many multiply-adds a step's attention runs on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
 
@@ -136,6 +138,10 @@ pub enum KvDtype {
     /// the same memory and half the reads for a long context's decode, which those reads bound.
     /// Each key and value is rounded once as it is stored; queries, weights and sums stay f32.
     F16,
+    /// bfloat16, and attention's products in bfloat16 too (queries and softmax weights rounded
+    /// as well; sums in f32, as FlashAttention's bf16 arithmetic): the bytes of f16, and on CPUs
+    /// with AVX-512 BF16 twice the multiply-adds an instruction, for prompts over a long history.
+    Bf16,
 }
 
 impl KvDtype {
@@ -144,6 +150,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => size_of::<f32>(),
             KvDtype::F16 => size_of::<f16>(),
+            KvDtype::Bf16 => size_of::<half::bf16>(),
         }
     }
 }
@@ -161,6 +168,7 @@ pub struct LayerKv {
 enum Planes {
     F32(Plane<f32>),
     F16(Plane<f16>),
+    Bf16(bf16::Plane),
 }
 
 /// Keys and values of one element type, laid out as [`LayerKv`] says.
@@ -184,6 +192,13 @@ impl LayerKv {
             KvDtype::F16 => {
                 Planes::F16(Plane { k: vec![0u16; n].reinterpret_into(), v: vec![0u16; n].reinterpret_into() })
             }
+            KvDtype::Bf16 => {
+                assert!(
+                    block_size.is_multiple_of(2) && heads.head_dim.is_multiple_of(2),
+                    "bf16 pairs slots and dimensions"
+                );
+                Planes::Bf16(bf16::Plane::new(n))
+            }
         };
         LayerKv { planes, block_size }
     }
@@ -194,6 +209,7 @@ impl LayerKv {
         match &mut self.planes {
             Planes::F32(plane) => plane.write(self.block_size, block, slot, k, v),
             Planes::F16(plane) => plane.write(self.block_size, block, slot, k, v),
+            Planes::Bf16(plane) => plane.write(self.block_size, block, slot, k, v),
         }
     }
 }
@@ -910,6 +926,7 @@ pub fn paged_attention(
     match &kv.planes {
         Planes::F32(plane) => attend(rows, q, &token_pos, plane, block_size, shape),
         Planes::F16(plane) => attend(rows, q, &token_pos, plane, block_size, shape),
+        Planes::Bf16(plane) => bf16::attend(rows, q, &token_pos, plane, block_size, shape),
     }
 }
 
@@ -924,75 +941,28 @@ fn attend<E: KvElement>(
     shape: Attention,
 ) -> Vec<f32> {
     let Heads { n_head, n_kv_head, head_dim: hd } = shape.heads;
-    let (q_row, kv_row) = (n_head * hd, n_kv_head * hd);
-    let scale = shape.scale;
-    let group = n_head / n_kv_head;
-    // Not zeroed here: each task zeroes its own part (a memset of the whole output was work for
-    // one thread while the others waited).
+    let (q_row, kv_row, group, scale) = (n_head * hd, n_kv_head * hd, n_head / n_kv_head, shape.scale);
     let mut out = Vec::<f32>::with_capacity(q.len());
-    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
-    let tiles = query_tiles(rows, n_kv_head, threads);
-    let shared = DisjointOut { ptr: out.as_mut_ptr(), len: q.len() };
-    // One task per (tile, KV head), the latest tiles (the most positions) first. The tile's
-    // queries of every head in the group take each K/V block in turn while it is in cache.
-    let task = |i: usize, Scratch { scores, span }: &mut Scratch| {
-        let (r, t0, m) = tiles[tiles.len() - 1 - i / n_kv_head];
-        let g = i % n_kv_head;
-        let p0 = token_pos[t0].1;
-        let n_max = p0 + m;
-        for j in 0..m {
-            // SAFETY: the heads of KV group g of token t0 + j are this task's alone (and
-            // contiguous); no slice of them lives yet.
-            unsafe { shared.zero((t0 + j) * q_row + g * group * hd, group * hd) };
-        }
-        let paged = PagedRows { blocks: rows[r].blocks, block_size, stride: kv_row, head: g * hd };
-        // Query j sees positions visible(p0 + j); of the block run (p, len), the part
-        // (first, count) lies there, `first` counted from p.
-        let part = |j: usize, p: usize, len: usize| {
-            let (lo, hi) = shape.visible(p0 + j);
-            let (a, b) = (p.max(lo), (p + len).min(hi));
-            (a - p, b.saturating_sub(a))
-        };
-        // A block every query of the tile sees whole (all but the diagonal's and a window's
-        // edge): its key kernel runs for all of them at once (lo and hi grow with j).
-        let whole = |p: usize, len: usize| part(0, p, len) == (0, len) && part(m - 1, p, len) == (0, len);
-        let tile = QueryTile { q, first: t0 * q_row + g * group * hd, q_row, hd, m, group, n_max };
-        // Every score a query sees is written below; softmax_rows needs zeros around them. So
-        // zero only those (a whole new buffer each task was a memset of every score).
-        scores.resize(m * group * n_max, 0.0);
-        for (r, row) in scores.chunks_mut(n_max).enumerate() {
-            let (lo, hi) = shape.visible(p0 + r / group);
-            row[..lo].fill(0.0);
-            row[hi..].fill(0.0);
-        }
-        // This KV head's transposed keys, block by block (see `LayerKv`).
-        let key_blocks = PagedRows { head: g * hd * block_size, ..paged };
-        let mut key_runs = key_blocks.runs(n_max).peekable();
-        while let Some((p, off, len)) = key_runs.next() {
-            // The next block's keys, one contiguous matrix, start loading while this one is used.
-            if let Some(&(_, next, _)) = key_runs.peek() {
-                prefetch(&kv.k, next, hd * block_size);
-            }
-            let keys = &kv.k[off..off + hd * block_size];
-            if whole(p, len) {
-                tile.scores(keys, block_size, p, len, scale, scores);
-                continue;
-            }
-            for j in 0..m {
-                let (first, count) = part(j, p, len);
-                if count > 0 {
-                    tile.query_scores(j, keys, block_size, p, first..first + count, scale, scores);
-                }
-            }
-        }
-        softmax_rows(scores, n_max, |r| shape.visible(p0 + r / group));
+    let step = Step::new(rows, token_pos, shape, block_size, &mut out);
+    step.run(|i, Scratch { scores, span, .. }| {
+        let task = step.task(i);
+        let tile = QueryTile { q, first: task.first, q_row, hd, m: task.m, group, n_max: task.n_max };
+        task.clear_scores(scores);
+        task.score_blocks(
+            &kv.k,
+            scores,
+            |keys, p, len, scores| tile.scores(keys, block_size, p, len, scale, scores),
+            |j, keys, p, slots, scores| tile.query_scores(j, keys, block_size, p, slots, scale, scores),
+        );
+        task.softmax(scores);
         // Blocks every query sees whole are weighed as one span, from position `span_start`;
         // the others query by query.
         span.clear();
         let mut span_start = 0;
-        let mut value_runs = paged.runs(n_max).peekable();
+        let value_rows = task.value_rows();
+        let mut value_runs = value_rows.runs(task.n_max).peekable();
         while let Some((p, off, len)) = value_runs.next() {
-            if whole(p, len) {
+            if task.whole(p, len) {
                 if span.is_empty() {
                     span_start = p;
                 }
@@ -1000,35 +970,174 @@ fn attend<E: KvElement>(
                 continue;
             }
             if !span.is_empty() {
-                tile.weigh_span(scores, &kv.v, span, kv_row, span_start, &shared);
+                tile.weigh_span(scores, &kv.v, span, kv_row, span_start, &step.out);
                 span.clear();
             }
             // The next block's value rows of this KV head start loading while this one is used.
             if let Some(&(_, next, rows)) = value_runs.peek() {
                 (0..rows).for_each(|s| prefetch(&kv.v, next + s * kv_row, hd));
             }
-            for j in 0..m {
-                let (first, count) = part(j, p, len);
+            for j in 0..task.m {
+                let (first, count) = task.part(j, p, len);
                 if count > 0 {
-                    tile.query_weigh(j, scores, &kv.v, off, kv_row, p, first..first + count, &shared);
+                    tile.query_weigh(j, scores, &kv.v, off, kv_row, p, first..first + count, &step.out);
                 }
             }
         }
         if !span.is_empty() {
-            tile.weigh_span(scores, &kv.v, span, kv_row, span_start, &shared);
+            tile.weigh_span(scores, &kv.v, span, kv_row, span_start, &step.out);
         }
-    };
-    // Small steps (decode) run on this thread: waking the pool costs more than the work.
-    let seen = |p: usize| {
-        let (lo, hi) = shape.visible(p);
-        hi - lo
-    };
-    let work: usize = token_pos.iter().map(|&(_, p)| seen(p)).sum::<usize>() * n_head * hd;
-    run_tasks(tiles.len() * n_kv_head, work >= PARALLEL_MIN_WORK, task);
+    });
     // SAFETY: the tasks zeroed, then added into, every (token, head): each of the tiles, which
     // cover every token, ran once for each KV group, which together hold every head.
     unsafe { out.set_len(q.len()) };
     out
+}
+
+/// What every task of a step's attention shares: the batch, its tiles, and the output they write
+/// (each task its own tokens' heads of one KV group: a task per tile and KV head).
+struct Step<'a> {
+    rows: &'a [BatchRow<'a>],
+    token_pos: &'a [(usize, usize)],
+    tiles: Vec<(usize, usize, usize)>,
+    shape: Attention,
+    block_size: usize,
+    out: DisjointOut,
+}
+
+impl<'a> Step<'a> {
+    /// A step writing `token_pos.len()` tokens' heads into `out`'s spare capacity (not zeroed
+    /// here: each task zeroes its own part; a memset of the whole output was work for one thread
+    /// while the others waited). The caller sets `out`'s length once [`Step::run`] returns.
+    fn new(
+        rows: &'a [BatchRow<'a>],
+        token_pos: &'a [(usize, usize)],
+        shape: Attention,
+        block_size: usize,
+        out: &mut Vec<f32>,
+    ) -> Self {
+        let len = token_pos.len() * shape.heads.n_head * shape.heads.head_dim;
+        out.reserve_exact(len);
+        let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+        let tiles = query_tiles(rows, shape.heads.n_kv_head, threads);
+        Step { rows, token_pos, tiles, shape, block_size, out: DisjointOut { ptr: out.as_mut_ptr(), len } }
+    }
+
+    /// Run `task(i, scratch)` for every task, the latest tiles (the most positions) first; small
+    /// steps (decode) on this thread: waking the pool costs more than the work.
+    fn run(&self, task: impl Fn(usize, &mut Scratch) + Sync) {
+        let Heads { n_head, n_kv_head, head_dim } = self.shape.heads;
+        let seen = |p: usize| {
+            let (lo, hi) = self.shape.visible(p);
+            hi - lo
+        };
+        let work: usize = self.token_pos.iter().map(|&(_, p)| seen(p)).sum::<usize>() * n_head * head_dim;
+        run_tasks(self.tiles.len() * n_kv_head, work >= PARALLEL_MIN_WORK, task);
+    }
+
+    /// Task `i`, its outputs zeroed.
+    fn task(&self, i: usize) -> Task<'_> {
+        let Heads { n_head, n_kv_head, head_dim: hd } = self.shape.heads;
+        let (r, t0, m) = self.tiles[self.tiles.len() - 1 - i / n_kv_head];
+        let (g, group, q_row) = (i % n_kv_head, n_head / n_kv_head, n_head * hd);
+        let first = t0 * q_row + g * group * hd;
+        for j in 0..m {
+            // SAFETY: the heads of KV group g of token t0 + j are this task's alone (and
+            // contiguous); no slice of them lives yet.
+            unsafe { self.out.zero(first + j * q_row, group * hd) };
+        }
+        let p0 = self.token_pos[t0].1;
+        Task { step: self, r, m, g, p0, n_max: p0 + m, first }
+    }
+}
+
+/// One task of a [`Step`]: the `m` consecutive tokens of batch row `r` at positions `p0..`, their
+/// heads of KV group `g`; their score rows are `m × group` rows of `n_max`, token-major.
+struct Task<'a> {
+    step: &'a Step<'a>,
+    r: usize,
+    m: usize,
+    g: usize,
+    p0: usize,
+    n_max: usize,
+    /// Where the first token's first head of the group starts in `q` (and in the output).
+    first: usize,
+}
+
+impl Task<'_> {
+    /// Of the block run `(p, len)`, the part `(first, count)` query `j` sees (`first` counted
+    /// from `p`).
+    fn part(&self, j: usize, p: usize, len: usize) -> (usize, usize) {
+        let (lo, hi) = self.step.shape.visible(self.p0 + j);
+        let (a, b) = (p.max(lo), (p + len).min(hi));
+        (a - p, b.saturating_sub(a))
+    }
+
+    /// Whether every query of the tile sees the block run whole (all but the diagonal's and a
+    /// window's edge; lo and hi grow with j).
+    fn whole(&self, p: usize, len: usize) -> bool {
+        self.part(0, p, len) == (0, len) && self.part(self.m - 1, p, len) == (0, len)
+    }
+
+    /// This KV head's value rows (`[slot][kv_head][head_dim]` within a block) by block.
+    fn value_rows(&self) -> PagedRows<'_> {
+        let Heads { n_kv_head, head_dim: hd, .. } = self.step.shape.heads;
+        let rows = self.step.rows[self.r].blocks;
+        PagedRows { blocks: rows, block_size: self.step.block_size, stride: n_kv_head * hd, head: self.g * hd }
+    }
+
+    /// The score rows, with zeros around what each query sees: every score a query sees is
+    /// written by [`Task::score_blocks`], and [`softmax_rows`] needs zeros around them (a whole
+    /// new buffer each task was a memset of every score).
+    fn clear_scores(&self, scores: &mut Vec<f32>) {
+        let group = self.step.shape.heads.n_head / self.step.shape.heads.n_kv_head;
+        scores.resize(self.m * group * self.n_max, 0.0);
+        for (r, row) in scores.chunks_mut(self.n_max).enumerate() {
+            let (lo, hi) = self.step.shape.visible(self.p0 + r / group);
+            row[..lo].fill(0.0);
+            row[hi..].fill(0.0);
+        }
+    }
+
+    /// Every query's scores against its visible keys, block by block from `keys` (the layer's
+    /// keys, each KV head's part of a block `head_dim × block_size` elements, whatever their
+    /// order inside): `whole(keys, p, len, scores)` for a block run every query sees whole (its
+    /// kernel runs for all of them at once), `part(j, keys, p, slots, scores)` for query `j`'s
+    /// part of the others.
+    fn score_blocks<E>(
+        &self,
+        keys: &[E],
+        scores: &mut [f32],
+        whole: impl Fn(&[E], usize, usize, &mut [f32]),
+        part: impl Fn(usize, &[E], usize, Range<usize>, &mut [f32]),
+    ) {
+        let (hd, bs) = (self.step.shape.heads.head_dim, self.step.block_size);
+        let key_blocks = PagedRows { head: self.g * hd * bs, ..self.value_rows() };
+        let mut key_runs = key_blocks.runs(self.n_max).peekable();
+        while let Some((p, off, len)) = key_runs.next() {
+            // The next block's keys, one contiguous matrix, start loading while this one is used.
+            if let Some(&(_, next, _)) = key_runs.peek() {
+                prefetch(keys, next, hd * bs);
+            }
+            let block = &keys[off..off + hd * bs];
+            if self.whole(p, len) {
+                whole(block, p, len, scores);
+                continue;
+            }
+            for j in 0..self.m {
+                let (first, count) = self.part(j, p, len);
+                if count > 0 {
+                    part(j, block, p, first..first + count, scores);
+                }
+            }
+        }
+    }
+
+    /// Each score row's softmax over what its query sees, in place.
+    fn softmax(&self, scores: &mut [f32]) {
+        let group = self.step.shape.heads.n_head / self.step.shape.heads.n_kv_head;
+        softmax_rows(scores, self.n_max, |r| self.step.shape.visible(self.p0 + r / group));
+    }
 }
 
 /// Each row's tokens in tiles of at most [`QUERY_TILE`] consecutive tokens, as `(row, first token
@@ -1076,6 +1185,8 @@ struct Scratch {
     scores: Vec<f32>,
     /// The value runs `(offset, rows)` of the blocks every query of the tile sees whole.
     span: Vec<(usize, usize)>,
+    /// The weights in bfloat16, two to a lane (the bf16 path's).
+    pairs: Vec<u32>,
 }
 
 /// Run `f(i, scratch)` for every task `i`, in parallel on candle's matmul thread pool:
@@ -1086,7 +1197,7 @@ struct Scratch {
 fn run_tasks(n: usize, parallel: bool, f: impl Fn(usize, &mut Scratch) + Sync) {
     thread_local! {
         static SCRATCH: std::cell::RefCell<Scratch> =
-            const { std::cell::RefCell::new(Scratch { scores: Vec::new(), span: Vec::new() }) };
+            const { std::cell::RefCell::new(Scratch { scores: Vec::new(), span: Vec::new(), pairs: Vec::new() }) };
     }
     let run = |range: std::ops::Range<usize>| {
         SCRATCH.with_borrow_mut(|scratch| range.for_each(|i| f(i, scratch)));
@@ -1253,10 +1364,23 @@ mod tests {
         window: Option<usize>,
         stale_before: usize,
     ) -> Vec<f32> {
+        attend_in(KvDtype::F32, heads, cached, tokens, one_by_one, window, stale_before)
+    }
+
+    /// [`attend_with`] on a cache of `dtype`.
+    fn attend_in(
+        dtype: KvDtype,
+        heads: Heads,
+        cached: usize,
+        tokens: usize,
+        one_by_one: bool,
+        window: Option<usize>,
+        stale_before: usize,
+    ) -> Vec<f32> {
         use crate::kv_cache::BlockId;
         let (q_row, kv_row) = (heads.n_head * heads.head_dim, heads.n_kv_head * heads.head_dim);
         let shape = Attention { window, ..Attention::causal(heads) };
-        let mut kv = LayerKv::new(16, 4, heads);
+        let mut kv = LayerKv::with_dtype(16, 4, heads, dtype);
         let blocks: Vec<BlockId> = [9, 2, 14, 0, 5, 11, 3, 7, 1, 12].map(BlockId::new).to_vec();
         let rope = Rope::new(RopeStyle::Halves, heads.head_dim, 10000.0, 64);
         let all = cached + tokens;
@@ -1337,6 +1461,31 @@ mod tests {
         );
         // A window wider than the sequence is plain causal attention.
         assert_eq!(bits(&attend_with(GROUPS_OF_THREE, 5, 35, false, Some(64), 0)), bits(&attend(5, 35, false)));
+    }
+
+    #[test]
+    fn bf16_attention_gives_each_token_its_bits_alone_across_tiles_windows_and_odd_blocks() {
+        let bf16 = |heads, cached, tokens, one_by_one, window, stale| {
+            attend_in(KvDtype::Bf16, heads, cached, tokens, one_by_one, window, stale)
+        };
+        // Groups of three, one, two and four heads, heads of two value tiles; 19 new tokens after
+        // 21 (odd block runs at both ends), with and without a window.
+        let heads = [GROUPS_OF_THREE, Heads { n_head: 2, n_kv_head: 2, head_dim: 64 }];
+        let more = [Heads { n_head: 4, n_kv_head: 2, head_dim: 64 }, Heads { n_head: 8, n_kv_head: 2, head_dim: 128 }];
+        for (heads, window) in heads.into_iter().chain(more).flat_map(|h| [(h, None), (h, Some(6))]) {
+            let tiled = bf16(heads, 21, 19, false, window, 0);
+            assert!(bits(&tiled) == bits(&bf16(heads, 21, 19, true, window, 0)), "{heads:?} {window:?}: tiled differs");
+            // Near the f32 cache's result: bfloat16 keeps 8 bits of each operand.
+            let exact = attend_in(KvDtype::F32, heads, 21, 19, false, window, 0);
+            let scale = exact.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let gap = exact.iter().zip(&tiled).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+            assert!(gap > 0.0 && gap < 0.02, "{heads:?} {window:?}: {gap} off f32's");
+        }
+        // What lies before a window is never read: stale keys and values there change nothing.
+        let (cached, window) = (39, Some(9));
+        let windowed = bf16(GROUPS_OF_THREE, cached, 1, false, window, 0);
+        assert_eq!(bits(&windowed), bits(&bf16(GROUPS_OF_THREE, cached, 1, false, window, 31)), "stale keys read");
+        assert_ne!(bits(&windowed), bits(&bf16(GROUPS_OF_THREE, cached, 1, false, window, 32)), "a key skipped");
     }
 
     #[test]
