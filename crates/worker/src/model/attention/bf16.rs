@@ -38,19 +38,28 @@ fn round(x: f32) -> bf16 {
     bf16::from_f32(x)
 }
 
-/// `xs`, each times `scale`, rounded to bfloat16 two to a lane, appended to `out`; an odd count's
-/// last lane pairs its value with zero. (Subnormal values may round to zero on one path and not
-/// the other: [`dp`] takes them as zero either way.)
-pub(super) fn push_pairs(xs: &[f32], scale: f32, out: &mut Vec<u32>) {
+/// `xs` rounded to bfloat16 two to a lane, appended to `out`; an odd count's last lane pairs its
+/// value with zero. (Subnormal values may round to zero on one path and not the other: [`dp`]
+/// takes them as zero either way.)
+pub(super) fn push_pairs(xs: &[f32], out: &mut Vec<u32>) {
     #[cfg(target_arch = "x86_64")]
     if avx512bf16() {
         // SAFETY: AVX-512 F, BW, VL and BF16 are present (checked at run time).
-        unsafe { push_pairs_avx512(xs, scale, out) };
+        unsafe { push_pairs_avx512(xs, out) };
         return;
     }
     let (whole, last) = xs.as_chunks::<2>();
-    out.extend(whole.iter().map(|&[a, b]| pair(round(a * scale), round(b * scale))));
-    out.extend(last.iter().map(|&a| pair(round(a * scale), bf16::ZERO)));
+    out.extend(whole.iter().map(|&[a, b]| pair(round(a), round(b))));
+    out.extend(last.iter().map(|&a| pair(round(a), bf16::ZERO)));
+}
+
+/// The lanes of sixteen `f32`s from `at` (an index into a slice of `len`) that lie inside
+/// `inside` (and so inside the slice).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn lanes_within(at: usize, inside: &Range<usize>) -> u16 {
+    let lanes_to = |end: usize| (1u32 << end.saturating_sub(at).min(16)) - 1;
+    (lanes_to(inside.end) & !lanes_to(inside.start)) as u16
 }
 
 /// [`push_pairs`] 32 values an instruction (`vcvtne2ps2bf16`: to nearest, ties to even).
@@ -58,44 +67,63 @@ pub(super) fn push_pairs(xs: &[f32], scale: f32, out: &mut Vec<u32>) {
 /// SAFETY: the CPU has AVX-512 F, BW, VL and BF16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn push_pairs_avx512(xs: &[f32], scale: f32, out: &mut Vec<u32>) {
+unsafe fn push_pairs_avx512(xs: &[f32], out: &mut Vec<u32>) {
     use std::arch::x86_64::*;
     let lanes = xs.len().div_ceil(2);
     out.reserve(lanes);
-    let scale = _mm512_set1_ps(scale);
+    let all = 0..xs.len();
     // SAFETY: every load is masked to `xs`, every store to the `lanes` reserved above.
     unsafe {
         let (src, dst) = (xs.as_ptr(), out.as_mut_ptr().add(out.len()));
         for at in (0..xs.len()).step_by(32) {
-            let n = (xs.len() - at).min(32);
-            let low = (u32::MAX >> (32 - n.min(16))) as __mmask16;
-            let high = (u32::MAX.checked_shr(32 - n.saturating_sub(16) as u32).unwrap_or(0)) as __mmask16;
-            let a = _mm512_mul_ps(_mm512_maskz_loadu_ps(low, src.add(at)), scale);
-            let b = _mm512_mul_ps(_mm512_maskz_loadu_ps(high, src.add(at + 16)), scale);
+            let a = _mm512_maskz_loadu_ps(lanes_within(at, &all), src.add(at));
+            let b = _mm512_maskz_loadu_ps(lanes_within(at + 16, &all), src.add(at + 16));
             let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
-            let stored = (u32::MAX >> (32 - n.div_ceil(2))) as __mmask16;
+            let stored = (u32::MAX >> (32 - (xs.len() - at).min(32).div_ceil(2))) as __mmask16;
             _mm512_mask_storeu_epi32(dst.add(at / 2).cast(), stored, packed);
         }
         out.set_len(out.len() + lanes);
     }
 }
 
-/// Lanes of [`exp_sum`]'s sum: value `i` of a row goes to lane `i % SUM_LANES`.
+/// Lanes of [`exp_pairs`]' sum.
 const SUM_LANES: usize = 16;
 
-/// A softmax row's weights as pairs, appended to `out`: over `seen` (the positions its query
-/// sees), `exp(x - max)` divided by their sum, rounded to bfloat16; the rest of `row` is zeros
-/// and stays so. The weights are rounded to 8 bits of significand, so the exponential is a
-/// polynomial ([`exp_sum`]) rather than the f32 path's `expf`, and the sum runs in sixteen lanes
-/// (the position within `seen` picks the lane, so a query's sum does not depend on its tile).
-pub(super) fn softmax_pairs(row: &mut [f32], seen: Range<usize>, out: &mut Vec<u32>) {
+/// A softmax row's weights before their division by the sum, as pairs: `exp(x - max(seen))` of
+/// the positions in `seen` (those its query sees), rounded to bfloat16 into `out` (the row's
+/// pairs, zero where nothing is seen); returns their sum. The weighted sums divide by it at the
+/// end, as FlashAttention does. The weights are rounded to 8 bits of significand, so the
+/// exponential is a polynomial ([`exp`]) rather than the f32 path's `expf`. The sum runs in
+/// sixteen lanes, position `i` in lane `(i - base) % 16` from `base`, `seen.start` rounded down
+/// to even: set by the query alone, not by the tile it came in.
+pub(super) fn exp_pairs(row: &[f32], seen: Range<usize>, out: &mut [u32]) -> f32 {
+    assert!(seen.end <= row.len() && out.len() >= row.len().div_ceil(2), "the row's pairs");
     let max = crate::model::exp::max(&row[seen.clone()]);
-    let sum = exp_sum(&mut row[seen], max);
-    push_pairs(row, 1.0 / sum, out);
+    #[cfg(target_arch = "x86_64")]
+    if avx512bf16() {
+        // SAFETY: AVX-512 F, BW, VL and BF16 are present (checked at run time); the bounds
+        // asserted above.
+        return unsafe { exp_pairs_avx512(row, seen, max, out) };
+    }
+    exp_pairs_portable(row, seen, max, out)
 }
 
-/// Below this, [`exp_sum`] takes the exponential of this instead (about 1.6e-38: a weight of
-/// nothing beside the largest, 1, and no subnormal on the way).
+/// [`exp_pairs`] on any CPU, value by value.
+fn exp_pairs_portable(row: &[f32], seen: Range<usize>, max: f32, out: &mut [u32]) -> f32 {
+    let base = seen.start & !1;
+    let mut lanes = [0f32; SUM_LANES];
+    let e = |i: usize| if seen.contains(&i) { exp(row[i] - max) } else { 0.0 };
+    for i in (base..seen.end).step_by(2) {
+        let (a, b) = (e(i), e(i + 1));
+        lanes[(i - base) % SUM_LANES] += a;
+        lanes[(i + 1 - base) % SUM_LANES] += b;
+        out[i / 2] = pair(round(a), round(b));
+    }
+    fold_halves(lanes)
+}
+
+/// Below this, [`exp`] takes the exponential of this instead (about 1.6e-38: a weight of nothing
+/// beside the largest, 1, and no subnormal on the way).
 const EXP_FLOOR: f32 = -87.0;
 /// ln 2 in two parts, the first with trailing zeros so `n * LN2_HI` is exact for `n` to 2^8.
 const LN2_HI: f32 = 0.693_145_75;
@@ -103,33 +131,16 @@ const LN2_LO: f32 = 1.428_606_8e-6;
 /// Taylor's coefficients of e^r to r^6 (r within ±ln 2 / 2: the next term is under 1.2e-7).
 const EXP_POLY: [f32; 7] = [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0];
 
-/// `e^(x - max)` of each value in place, `max` at least each; returns their sum in
-/// [`SUM_LANES`] lanes, folded in halves (lane `l` plus lane `l + 8`, then `+ 4`, `+ 2`, `+ 1`).
-/// Each value: `x - max = n ln 2 + r`, `e^r` by [`EXP_POLY`], times 2^n.
-fn exp_sum(xs: &mut [f32], max: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if super::avx512() {
-        // SAFETY: AVX-512 F is present (checked at run time).
-        return unsafe { exp_sum_avx512(xs, max) };
-    }
-    exp_sum_portable(xs, max)
+/// e^y for y at most 0: `y = n ln 2 + r`, `e^r` by [`EXP_POLY`], times 2^n.
+fn exp(y: f32) -> f32 {
+    let y = y.max(EXP_FLOOR);
+    let n = (y * std::f32::consts::LOG2_E).round_ties_even();
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, y));
+    let p = EXP_POLY[1..].iter().fold(EXP_POLY[0], |p, &c| p.mul_add(r, c));
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
-/// [`exp_sum`] on any CPU, value by value.
-fn exp_sum_portable(xs: &mut [f32], max: f32) -> f32 {
-    let mut lanes = [0f32; SUM_LANES];
-    for (i, x) in xs.iter_mut().enumerate() {
-        let y = (*x - max).max(EXP_FLOOR);
-        let n = (y * std::f32::consts::LOG2_E).round_ties_even();
-        let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, y));
-        let p = EXP_POLY[1..].iter().fold(EXP_POLY[0], |p, &c| p.mul_add(r, c));
-        *x = p * f32::from_bits(((n as i32 + 127) as u32) << 23);
-        lanes[i % SUM_LANES] += *x;
-    }
-    fold_halves(lanes)
-}
-
-/// Lane `l` plus lane `l + 8`, then `+ 4`, `+ 2`, `+ 1`: [`exp_sum`]'s fold.
+/// Lane `l` plus lane `l + 8`, then `+ 4`, `+ 2`, `+ 1`: [`exp_pairs`]' fold.
 fn fold_halves(mut lanes: [f32; SUM_LANES]) -> f32 {
     let mut width = SUM_LANES / 2;
     while width > 0 {
@@ -141,40 +152,45 @@ fn fold_halves(mut lanes: [f32; SUM_LANES]) -> f32 {
     lanes[0]
 }
 
-/// [`exp_sum`] sixteen values to a register.
+/// [`exp_pairs`] 32 positions at a time: [`exp`] sixteen to a register, two registers to a
+/// register of pairs.
 ///
-/// SAFETY: the CPU has AVX-512 F.
+/// SAFETY: the CPU has AVX-512 F, BW, VL and BF16; `seen.end <= row.len()`, and `out` holds
+/// `row.len().div_ceil(2)` lanes.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn exp_sum_avx512(xs: &mut [f32], max: f32) -> f32 {
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn exp_pairs_avx512(row: &[f32], seen: Range<usize>, max: f32, out: &mut [u32]) -> f32 {
     use std::arch::x86_64::*;
     let (max, floor, log2e) =
         (_mm512_set1_ps(max), _mm512_set1_ps(EXP_FLOOR), _mm512_set1_ps(std::f32::consts::LOG2_E));
     let (hi, lo) = (_mm512_set1_ps(-LN2_HI), _mm512_set1_ps(-LN2_LO));
+    let exp16 = |x: __m512, mask: __mmask16| {
+        let y = _mm512_max_ps(_mm512_sub_ps(x, max), floor);
+        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(y, log2e));
+        let r = _mm512_fmadd_ps(k, lo, _mm512_fmadd_ps(k, hi, y));
+        let e =
+            EXP_POLY[1..].iter().fold(_mm512_set1_ps(EXP_POLY[0]), |e, &c| _mm512_fmadd_ps(e, r, _mm512_set1_ps(c)));
+        let two_k = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)));
+        _mm512_maskz_mul_ps(mask, e, _mm512_castsi512_ps(two_k))
+    };
+    let base = seen.start & !1;
     let mut sum = _mm512_setzero_ps();
-    for at in (0..xs.len()).step_by(SUM_LANES) {
-        let n = (xs.len() - at).min(SUM_LANES);
-        let mask = (u32::MAX >> (32 - n)) as __mmask16;
-        // SAFETY: the masked lanes lie inside `xs`.
-        unsafe {
-            let p = xs.as_mut_ptr().add(at);
-            let y = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p), max), floor);
-            let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(y, log2e));
-            let r = _mm512_fmadd_ps(k, lo, _mm512_fmadd_ps(k, hi, y));
-            let e = EXP_POLY[1..]
-                .iter()
-                .fold(_mm512_set1_ps(EXP_POLY[0]), |e, &c| _mm512_fmadd_ps(e, r, _mm512_set1_ps(c)));
-            let two_k = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)));
-            let e = _mm512_mul_ps(e, _mm512_castsi512_ps(two_k));
-            _mm512_mask_storeu_ps(p, mask, e);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+    // SAFETY: loads are masked to `seen`, inside `row`; stores to the pairs of positions below
+    // `seen.end` rounded up to even, inside `out` (the caller's contract).
+    unsafe {
+        for at in (base..seen.end).step_by(32) {
+            let (ma, mb) = (lanes_within(at, &seen), lanes_within(at + 16, &seen));
+            let a = exp16(_mm512_maskz_loadu_ps(ma, row.as_ptr().add(at)), ma);
+            let b = exp16(_mm512_maskz_loadu_ps(mb, row.as_ptr().add(at + 16)), mb);
+            sum = _mm512_add_ps(_mm512_add_ps(sum, a), b);
+            let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
+            let stored = (u32::MAX >> (32 - (seen.end - at).min(32).div_ceil(2))) as __mmask16;
+            _mm512_mask_storeu_epi32(out.as_mut_ptr().add(at / 2).cast(), stored, packed);
         }
+        let mut lanes = [0f32; SUM_LANES];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), sum);
+        fold_halves(lanes)
     }
-    // The fold in halves: 8, 4, 2, 1 lanes over.
-    let mut lanes = [0f32; SUM_LANES];
-    // SAFETY: sixteen floats.
-    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sum) };
-    fold_halves(lanes)
 }
 
 /// One lane of `vdpbf16ps`: `acc + a.hi × b.hi`, then plus `a.lo × b.lo`, each product exact (eight
@@ -253,11 +269,11 @@ pub(super) fn attend(
     let Heads { n_head, n_kv_head, head_dim: hd } = shape.heads;
     let (q_row, kv_row, group, scale) = (n_head * hd, n_kv_head * hd, n_head / n_kv_head, shape.scale);
     let mut pairs = Vec::with_capacity(q.len() / 2);
-    push_pairs(q, 1.0, &mut pairs);
+    push_pairs(q, &mut pairs);
     let q = pairs;
     let mut out = Vec::<f32>::with_capacity(token_pos.len() * q_row);
     let step = Step::new(rows, token_pos, shape, block_size, &mut out);
-    step.run(|i, Scratch { scores, span, pairs: weights }| {
+    step.run(|i, Scratch { scores, span, pairs: weights, sums }| {
         let task = step.task(i);
         let (m, n_max) = (task.m, task.n_max);
         let tile = Tile { q: &q, first: task.first / 2, q_row: q_row / 2, pairs: hd / 2, group, n_max };
@@ -273,9 +289,11 @@ pub(super) fn attend(
         let from = lo - lo % block_size;
         let row_pairs = (n_max - from).div_ceil(2);
         weights.clear();
-        for (r, row) in scores.chunks_mut(n_max).enumerate() {
+        weights.resize(m * group * row_pairs, 0);
+        sums.clear();
+        for (r, (row, pairs)) in scores.chunks(n_max).zip(weights.chunks_mut(row_pairs)).enumerate() {
             let (lo, hi) = shape.visible(task.p0 + r / group);
-            softmax_pairs(&mut row[from..], lo - from..hi - from, weights);
+            sums.push(exp_pairs(&row[from..], lo - from..hi - from, pairs));
         }
         span.clear();
         span.extend(
@@ -309,6 +327,14 @@ pub(super) fn attend(
                     _ => weigh_runs::<1>(from_fn(wr), &kv.v, span, stride, from_fn(o)),
                 }
             }
+        }
+        // The softmax's division, once an output.
+        for (r, &sum) in sums.iter().enumerate() {
+            let (j, h) = (r / group, r % group);
+            // SAFETY: the task's own heads, written above, no other slice of them alive.
+            let o = unsafe { step.out.slice(task.first + j * q_row + h * hd, hd) };
+            let inv = 1.0 / sum;
+            o.iter_mut().for_each(|x| *x *= inv);
         }
     });
     // SAFETY: as in `super::attend`: every (token, head) zeroed, then added into, by its task.
@@ -577,7 +603,7 @@ mod tests {
 
     fn to_pairs(xs: &[f32]) -> Vec<u32> {
         let mut out = Vec::new();
-        push_pairs(xs, 1.0, &mut out);
+        push_pairs(xs, &mut out);
         out
     }
 
@@ -687,40 +713,50 @@ mod tests {
     }
 
     #[test]
-    fn the_softmax_exponential_is_within_a_few_ulps_of_libm_alike_on_every_path() {
-        // Every 97th float from -87 to 0 (the floor's clamp below it), shifted by a max.
-        let xs: Vec<f32> = (0..=870_000).step_by(97).map(|i| -(i as f32) / 10_000.0 + 3.5).collect();
-        let (mut vector, mut portable) = (xs.clone(), xs.clone());
-        let sums = (exp_sum(&mut vector, 3.5), exp_sum_portable(&mut portable, 3.5));
-        assert_eq!(bits(&vector), bits(&portable), "the vector path's bits");
-        assert_eq!(sums.0.to_bits(), sums.1.to_bits(), "the vector path's sum");
-        for (x, e) in xs.iter().zip(&vector) {
-            let want = (x - 3.5).exp();
-            assert!((e - want).abs() <= want * 4e-7, "exp({}) = {e}, libm {want}", x - 3.5);
+    fn the_softmax_exponential_is_within_a_few_ulps_of_libm() {
+        // Every 97th step of 1e-4 from -87 to 0, then below the floor.
+        for y in (0..=870_000).step_by(97).map(|i| -(i as f32) / 10_000.0) {
+            let (got, want) = (exp(y), y.exp());
+            assert!((got - want).abs() <= want * 4e-7, "exp({y}) = {got}, libm {want}");
         }
-        let mut floor = [-200.0f32, -87.0, f32::NEG_INFINITY];
-        exp_sum(&mut floor, 0.0);
-        assert!(floor.iter().all(|&e| e > 0.0 && e < 2e-38), "below the floor: {floor:?}");
+        for y in [-87.5f32, -200.0, f32::NEG_INFINITY] {
+            assert!(exp(y) > 0.0 && exp(y) < 2e-38, "exp({y}) = {}", exp(y));
+        }
     }
 
     #[test]
-    fn softmax_weights_sum_to_one_outside_is_zero_and_a_rows_offset_changes_nothing() {
+    fn softmax_pairs_sum_to_one_are_zero_outside_and_alike_on_every_path_and_offset() {
         let unpack = |p: &[u32]| p.iter().flat_map(|&l| [l as u16, (l >> 16) as u16]).collect::<Vec<u16>>();
-        // 37 seen positions: at the row's start, and after 3 (another tile's block start).
-        let scores = wave(37, 0.41);
-        let mut row = scores.clone();
-        let mut at_start = Vec::new();
-        softmax_pairs(&mut row, 0..37, &mut at_start);
-        let mut shifted = [vec![0.0; 3], scores.clone(), vec![0.0; 2]].concat();
-        let mut after = Vec::new();
-        softmax_pairs(&mut shifted, 3..40, &mut after);
-        let (a, b) = (unpack(&at_start), unpack(&after));
-        assert_eq!(&a[..37], &b[3..40], "the same weights wherever the row starts");
-        assert!(b[..3].iter().chain(&b[40..]).chain(&a[37..]).all(|&w| w == 0), "zeros outside");
-        let sum: f32 = a.iter().map(|&w| bf16::from_bits(w).to_f32()).sum();
-        assert!((sum - 1.0).abs() < 0.02, "weights sum to {sum}");
-        let largest = a.iter().map(|&w| bf16::from_bits(w).to_f32()).fold(0f32, f32::max);
-        let i = scores.iter().enumerate().fold(0, |m, (i, &x)| if x > scores[m] { i } else { m });
-        assert_eq!(bf16::from_bits(a[i]).to_f32(), largest, "the largest score's weight is the largest");
+        let weight = |w: u16| bf16::from_bits(w).to_f32();
+        let scores = wave(77, 0.41);
+        // Seen from an even and from an odd position, in rows that start at different places.
+        for (lead, tail) in [(0, 0), (3, 2), (4, 1)] {
+            let row = [vec![0.0; lead], scores.clone(), vec![0.0; tail]].concat();
+            let seen = lead..lead + scores.len();
+            let lanes = row.len().div_ceil(2);
+            let (mut vector, mut portable) = (vec![7; lanes], vec![7; lanes]);
+            let max = crate::model::exp::max(&scores);
+            let sum = exp_pairs(&row, seen.clone(), &mut vector);
+            let plain = exp_pairs_portable(&row, seen.clone(), max, &mut portable);
+            let (v, p) = (unpack(&vector), unpack(&portable));
+            // Lanes the pass does not reach keep what was there (the caller zeroes them).
+            let reached = (seen.start & !1)..seen.end.next_multiple_of(2);
+            assert_eq!(sum.to_bits(), plain.to_bits(), "lead {lead}: the vector path's sum");
+            assert_eq!(v[reached.clone()], p[reached.clone()], "lead {lead}: the vector path's pairs");
+            assert!(v[reached.clone()].iter().enumerate().all(|(i, &w)| seen.contains(&(i + reached.start)) || w == 0));
+            assert_eq!(
+                v[seen.clone()],
+                unpack(&{
+                    let mut at_start = vec![0; scores.len().div_ceil(2)];
+                    exp_pairs(&scores, 0..scores.len(), &mut at_start);
+                    at_start
+                })[..scores.len()],
+                "lead {lead}: the weights wherever the row starts"
+            );
+            let total: f32 = v[seen.clone()].iter().map(|&w| weight(w)).sum::<f32>() / sum;
+            assert!((total - 1.0).abs() < 0.02, "weights sum to {total}");
+            let top = scores.iter().enumerate().fold(0, |m, (i, &x)| if x > scores[m] { i } else { m });
+            assert_eq!(weight(v[lead + top]), 1.0, "the largest score's weight before the division");
+        }
     }
 }

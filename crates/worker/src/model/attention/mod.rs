@@ -1185,8 +1185,9 @@ struct Scratch {
     scores: Vec<f32>,
     /// The value runs `(offset, rows)` of the blocks every query of the tile sees whole.
     span: Vec<(usize, usize)>,
-    /// The weights in bfloat16, two to a lane (the bf16 path's).
+    /// The weights in bfloat16, two to a lane, and each row's sum (the bf16 path's).
     pairs: Vec<u32>,
+    sums: Vec<f32>,
 }
 
 /// Run `f(i, scratch)` for every task `i`, in parallel on candle's matmul thread pool:
@@ -1197,7 +1198,7 @@ struct Scratch {
 fn run_tasks(n: usize, parallel: bool, f: impl Fn(usize, &mut Scratch) + Sync) {
     thread_local! {
         static SCRATCH: std::cell::RefCell<Scratch> =
-            const { std::cell::RefCell::new(Scratch { scores: Vec::new(), span: Vec::new(), pairs: Vec::new() }) };
+            const { std::cell::RefCell::new(Scratch { scores: Vec::new(), span: Vec::new(), pairs: Vec::new(), sums: Vec::new() }) };
     }
     let run = |range: std::ops::Range<usize>| {
         SCRATCH.with_borrow_mut(|scratch| range.for_each(|i| f(i, scratch)));
