@@ -20,15 +20,15 @@ use std::{array::from_fn, ops::Range};
 
 use half::{bf16, vec::HalfBitsVecExt};
 
-use super::{Attention, BatchRow, Heads, Scratch, Step, head_runs};
+use super::{Attention, BatchRow, Heads, Scratch, Step, Task, head_runs};
 use crate::kv_cache::BlockId;
 
-/// Pairs [`weigh_runs`]'s AVX-512 kernel keeps in registers for each row: 64 columns.
+/// Columns [`weigh_runs`]' AVX-512 kernel keeps in registers for each row: four of sixteen.
 const COLS: usize = 64;
 
 /// Two bfloat16 as one 32-bit lane: `lo` in the low half (the earlier element in memory).
 #[inline(always)]
-pub(super) fn pair(lo: bf16, hi: bf16) -> u32 {
+fn pair(lo: bf16, hi: bf16) -> u32 {
     u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
 }
 
@@ -41,7 +41,7 @@ fn round(x: f32) -> bf16 {
 /// `xs` rounded to bfloat16 two to a lane, appended to `out`; an odd count's last lane pairs its
 /// value with zero. (Subnormal values may round to zero on one path and not the other: [`dp`]
 /// takes them as zero either way.)
-pub(super) fn push_pairs(xs: &[f32], out: &mut Vec<u32>) {
+fn push_pairs(xs: &[f32], out: &mut Vec<u32>) {
     #[cfg(target_arch = "x86_64")]
     if avx512bf16() {
         // SAFETY: AVX-512 F, BW, VL and BF16 are present (checked at run time).
@@ -53,8 +53,7 @@ pub(super) fn push_pairs(xs: &[f32], out: &mut Vec<u32>) {
     out.extend(last.iter().map(|&a| pair(round(a), bf16::ZERO)));
 }
 
-/// The lanes of sixteen `f32`s from `at` (an index into a slice of `len`) that lie inside
-/// `inside` (and so inside the slice).
+/// Which of the sixteen `f32` lanes from index `at` lie inside `inside`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn lanes_within(at: usize, inside: &Range<usize>) -> u16 {
@@ -96,7 +95,7 @@ const SUM_LANES: usize = 16;
 /// exponential is a polynomial ([`exp`]) rather than the f32 path's `expf`. The sum runs in
 /// sixteen lanes, position `i` in lane `(i - base) % 16` from `base`, `seen.start` rounded down
 /// to even: set by the query alone, not by the tile it came in.
-pub(super) fn exp_pairs(row: &[f32], seen: Range<usize>, out: &mut [u32]) -> f32 {
+fn exp_pairs(row: &[f32], seen: Range<usize>, out: &mut [u32]) -> f32 {
     assert!(seen.end <= row.len() && out.len() >= row.len().div_ceil(2), "the row's pairs");
     let max = crate::model::exp::max(&row[seen.clone()]);
     #[cfg(target_arch = "x86_64")]
@@ -197,7 +196,7 @@ unsafe fn exp_pairs_avx512(row: &[f32], seen: Range<usize>, max: f32, out: &mut 
 /// bits of significand by eight fit f32's) and each sum rounded to nearest; subnormal inputs and
 /// results count as zero (the instruction's DAZ and FTZ).
 #[inline(always)]
-pub(super) fn dp(acc: f32, a: u32, b: u32) -> f32 {
+fn dp(acc: f32, a: u32, b: u32) -> f32 {
     let flush = |x: f32| if x.is_subnormal() { 0f32.copysign(x) } else { x };
     let half = |x: u32, shift: u32| flush(f32::from_bits(((x >> shift) & 0xffff) << 16));
     let acc = flush(half(a, 16).mul_add(half(b, 16), acc));
@@ -209,7 +208,7 @@ const SCORE_LANES: usize = 4;
 
 /// A score (unscaled): query pairs `q` against the key whose pair `j` is `key(j)`, stepped with
 /// [`dp`] in [`SCORE_LANES`] lanes in order, folded `(l0 + l1) + (l2 + l3)`.
-pub(super) fn dot(q: &[u32], key: impl Fn(usize) -> u32) -> f32 {
+fn dot(q: &[u32], key: impl Fn(usize) -> u32) -> f32 {
     let mut acc = [0f32; SCORE_LANES];
     for (j, &q) in q.iter().enumerate() {
         acc[j % SCORE_LANES] = dp(acc[j % SCORE_LANES], key(j), q);
@@ -227,8 +226,8 @@ fn avx512bf16() -> bool {
 
 /// One layer's keys and values as bfloat16, laid out as the module says.
 pub(super) struct Plane {
-    pub(super) k: Vec<bf16>,
-    pub(super) v: Vec<bf16>,
+    k: Vec<bf16>,
+    v: Vec<bf16>,
 }
 
 impl Plane {
@@ -254,10 +253,11 @@ impl Plane {
     }
 }
 
-/// [`super::attend`] in bfloat16: the same tasks, tiles and softmax; queries rounded to pairs
-/// once a step, each task's weights once after its softmax. A task weighs every block its tiles'
-/// queries may see in one span, two tokens' heads sharing each value load (zero weights mask
-/// what a query does not see).
+/// [`super::attend`] in bfloat16: the same tasks, tiles and walk over the key blocks; queries
+/// rounded to pairs once a step, each task's weights once after its scores
+/// ([`Weights::of_scores`]). A task weighs every block its tile's queries may see in one span,
+/// two tokens' heads sharing each value load (zero weights mask what a query does not see),
+/// then divides each output by its softmax's sum.
 pub(super) fn attend(
     rows: &[BatchRow<'_>],
     q: &[f32],
@@ -267,16 +267,15 @@ pub(super) fn attend(
     shape: Attention,
 ) -> Vec<f32> {
     let Heads { n_head, n_kv_head, head_dim: hd } = shape.heads;
-    let (q_row, kv_row, group, scale) = (n_head * hd, n_kv_head * hd, n_head / n_kv_head, shape.scale);
+    let (q_row, group, scale) = (n_head * hd, n_head / n_kv_head, shape.scale);
     let mut pairs = Vec::with_capacity(q.len() / 2);
     push_pairs(q, &mut pairs);
-    let q = pairs;
     let mut out = Vec::<f32>::with_capacity(token_pos.len() * q_row);
     let step = Step::new(rows, token_pos, shape, block_size, &mut out);
     step.run(|i, Scratch { scores, span, pairs: weights, sums }| {
         let task = step.task(i);
         let (m, n_max) = (task.m, task.n_max);
-        let tile = Tile { q: &q, first: task.first / 2, q_row: q_row / 2, pairs: hd / 2, group, n_max };
+        let tile = Tile { q: &pairs, first: task.first / 2, q_row: q_row / 2, pairs: hd / 2, group, n_max };
         task.clear_scores(scores);
         task.score_blocks(
             &kv.k,
@@ -284,62 +283,78 @@ pub(super) fn attend(
             |keys, p, len, scores| tile.scores(0..m, keys, block_size, p, 0..len, scale, scores),
             |j, keys, p, slots, scores| tile.scores(j..j + 1, keys, block_size, p, slots, scale, scores),
         );
-        // Each row's weights as pairs of positions, from the first block any query sees.
-        let (lo, _) = shape.visible(task.p0);
-        let from = lo - lo % block_size;
-        let row_pairs = (n_max - from).div_ceil(2);
-        weights.clear();
-        weights.resize(m * group * row_pairs, 0);
-        sums.clear();
-        for (r, (row, pairs)) in scores.chunks(n_max).zip(weights.chunks_mut(row_pairs)).enumerate() {
-            let (lo, hi) = shape.visible(task.p0 + r / group);
-            sums.push(exp_pairs(&row[from..], lo - from..hi - from, pairs));
-        }
-        span.clear();
-        span.extend(
-            task.value_rows()
-                .runs(n_max)
-                .skip_while(|&(p, _, len)| p + len <= from)
-                .map(|(_, off, len)| (off - task.g * hd + 2 * task.g * hd, len)),
-        );
-        // Values pair two slots' rows: a block's pair s at the block's offset + s * 2 * kv_row.
-        let w = |j: usize, h: usize| &weights[(j * group + h) * row_pairs..][..row_pairs];
-        for j0 in (0..m).step_by(2) {
-            let tokens = 2.min(m - j0);
-            for (h, n) in head_runs(group) {
-                // Row i: token j0 + i / n, head h + i % n.
-                let at = |i: usize| (j0 + i / n, h + i % n);
-                // SAFETY: the task's own heads, zeroed at its start, of distinct (token, head).
-                let o = |i: usize| {
-                    let (j, h) = at(i);
-                    unsafe { step.out.slice(task.first + j * q_row + h * hd, hd) }
-                };
-                let wr = |i: usize| {
-                    let (j, h) = at(i);
-                    w(j, h)
-                };
-                let stride = 2 * kv_row;
-                match tokens * n {
-                    6 => weigh_runs::<6>(from_fn(wr), &kv.v, span, stride, from_fn(o)),
-                    4 => weigh_runs::<4>(from_fn(wr), &kv.v, span, stride, from_fn(o)),
-                    3 => weigh_runs::<3>(from_fn(wr), &kv.v, span, stride, from_fn(o)),
-                    2 => weigh_runs::<2>(from_fn(wr), &kv.v, span, stride, from_fn(o)),
-                    _ => weigh_runs::<1>(from_fn(wr), &kv.v, span, stride, from_fn(o)),
-                }
-            }
-        }
-        // The softmax's division, once an output.
-        for (r, &sum) in sums.iter().enumerate() {
-            let (j, h) = (r / group, r % group);
-            // SAFETY: the task's own heads, written above, no other slice of them alive.
-            let o = unsafe { step.out.slice(task.first + j * q_row + h * hd, hd) };
-            let inv = 1.0 / sum;
-            o.iter_mut().for_each(|x| *x *= inv);
-        }
+        let weights = Weights::of_scores(&task, scores, weights, sums);
+        weights.weigh(&step, &task, &kv.v, span);
     });
     // SAFETY: as in `super::attend`: every (token, head) zeroed, then added into, by its task.
     unsafe { out.set_len(token_pos.len() * q_row) };
     out
+}
+
+/// A task's softmax weights before their division, as pairs of positions from `from` (the first
+/// block any of its queries sees), `row_pairs` lanes a score row; and each row's sum.
+struct Weights<'a> {
+    pairs: &'a [u32],
+    sums: &'a [f32],
+    from: usize,
+    row_pairs: usize,
+}
+
+impl<'a> Weights<'a> {
+    /// The weights of the task's score rows ([`exp_pairs`] for each), in `pairs` and `sums`.
+    fn of_scores(task: &Task<'_>, scores: &[f32], pairs: &'a mut Vec<u32>, sums: &'a mut Vec<f32>) -> Self {
+        let (shape, n_max) = (task.step.shape, task.n_max);
+        let (lo, _) = shape.visible(task.p0);
+        let from = lo - lo % task.step.block_size;
+        let row_pairs = (n_max - from).div_ceil(2);
+        let group = shape.heads.n_head / shape.heads.n_kv_head;
+        pairs.clear();
+        pairs.resize(task.m * group * row_pairs, 0);
+        sums.clear();
+        for (r, (row, pairs)) in scores.chunks(n_max).zip(pairs.chunks_mut(row_pairs)).enumerate() {
+            let (lo, hi) = shape.visible(task.p0 + r / group);
+            sums.push(exp_pairs(&row[from..], lo - from..hi - from, pairs));
+        }
+        Weights { pairs, sums, from, row_pairs }
+    }
+
+    /// Every output of the task: its weights of the value pairs from `from` ([`weigh_runs`] for
+    /// two tokens' heads at a time over one span of blocks, `span` its runs), then the division.
+    fn weigh(&self, step: &Step<'_>, task: &Task<'_>, values: &[bf16], span: &mut Vec<(usize, usize)>) {
+        let Heads { n_head, n_kv_head, head_dim: hd } = step.shape.heads;
+        let (q_row, group, pair_stride) = (n_head * hd, n_head / n_kv_head, 2 * n_kv_head * hd);
+        // A block's pair s of this KV head at the block's offset + s * pair_stride + 2 * g * hd.
+        span.clear();
+        span.extend(
+            task.value_rows()
+                .runs(task.n_max)
+                .skip_while(|&(p, _, len)| p + len <= self.from)
+                .map(|(_, off, len)| (off - task.g * hd + 2 * task.g * hd, len)),
+        );
+        // SAFETY (for each use): the task's own heads, zeroed at its start, of distinct (token,
+        // head), no other slice of them alive.
+        let out = |j: usize, h: usize| unsafe { step.out.slice(task.first + j * q_row + h * hd, hd) };
+        let w = |j: usize, h: usize| &self.pairs[(j * group + h) * self.row_pairs..][..self.row_pairs];
+        for j0 in (0..task.m).step_by(2) {
+            let tokens = 2.min(task.m - j0);
+            for (h, n) in head_runs(group) {
+                // Row i: token j0 + i / n, head h + i % n.
+                let at = |i: usize| (j0 + i / n, h + i % n);
+                let (w, o) = (|i: usize| w(at(i).0, at(i).1), |i: usize| out(at(i).0, at(i).1));
+                match tokens * n {
+                    6 => weigh_runs::<6>(from_fn(w), values, span, pair_stride, from_fn(o)),
+                    4 => weigh_runs::<4>(from_fn(w), values, span, pair_stride, from_fn(o)),
+                    3 => weigh_runs::<3>(from_fn(w), values, span, pair_stride, from_fn(o)),
+                    2 => weigh_runs::<2>(from_fn(w), values, span, pair_stride, from_fn(o)),
+                    _ => weigh_runs::<1>(from_fn(w), values, span, pair_stride, from_fn(o)),
+                }
+            }
+        }
+        for (r, &sum) in self.sums.iter().enumerate() {
+            let inv = 1.0 / sum;
+            out(r / group, r % group).iter_mut().for_each(|x| *x *= inv);
+        }
+    }
 }
 
 /// A task's queries as bfloat16 pairs and where their scores go: token `j`'s head `h` is the
@@ -488,7 +503,7 @@ unsafe fn qk_block_avx512<const R: usize>(
 /// the value pairs of `runs` in order, `weights` one lane a pair. A run is `(element offset of
 /// its first pair, slots)`; pairs lie `pair_stride` elements apart; a run of odd slots ends on a
 /// pair whose second slot counts as zero (it is not read).
-pub(super) fn weigh(weights: &[u32], values: &[bf16], runs: &[(usize, usize)], pair_stride: usize, out: &mut [f32]) {
+fn weigh(weights: &[u32], values: &[bf16], runs: &[(usize, usize)], pair_stride: usize, out: &mut [f32]) {
     let mut w = weights.iter();
     for &(off, slots) in runs {
         for s in 0..slots.div_ceil(2) {
@@ -507,7 +522,7 @@ pub(super) fn weigh(weights: &[u32], values: &[bf16], runs: &[(usize, usize)], p
 /// pairs of `runs` (as [`weigh`] reads them) and added into `out[r]`, [`weigh`]'s bits for each.
 /// On AVX-512 BF16, each value load serves every row and the sums stay in registers across the
 /// runs.
-pub(super) fn weigh_runs<const R: usize>(
+fn weigh_runs<const R: usize>(
     weights: [&[u32]; R],
     values: &[bf16],
     runs: &[(usize, usize)],

@@ -16,7 +16,11 @@
 //! The cache is f32 by default, for that same reason. A half-precision cache ([`KvDtype::F16`])
 //! is an option: each key and value is rounded once as it is stored and widened as the kernels
 //! load it, so attention over it gives the bits of the f32 kernels over the rounded values (the
-//! same fixed order: still independent of chunk and batch), for half the bytes a token.
+//! same fixed order: still independent of chunk and batch), for half the bytes a token. A
+//! bfloat16 cache ([`KvDtype::Bf16`], module `bf16`) also multiplies in bfloat16, with its own
+//! kernels and fixed orders: twice the multiply-adds an instruction where the CPU has AVX-512
+//! BF16. Both paths share the tasks ([`Step`], [`Task`]): the tiles, the zeroing, the walk over
+//! the key blocks.
 
 use std::{array::from_fn, ops::Range};
 
