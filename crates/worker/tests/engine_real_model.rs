@@ -412,7 +412,7 @@ fn a_half_precision_cache_halves_a_tokens_bytes_and_keeps_every_request_exact_un
 #[test]
 fn a_bfloat16_cache_halves_a_tokens_bytes_and_keeps_every_request_exact_under_batching() {
     // Queries, keys, values and softmax weights rounded to bfloat16 (2^-9 each), sums in f32:
-    // the last prompt token's logits were measured within 3.0% of the f32 cache's, the same next
+    // the last prompt token's logits were measured within 3.8% of the f32 cache's, the same next
     // token, and the next token along the f32 cache's greedy continuations the same at 126 of 128
     // steps (f16: 124). Still exact under chunking and batching: every sum runs in one order.
     a_16_bit_cache_keeps_every_request_exact(KvDtype::Bf16, 0.1, 0.9);

@@ -203,17 +203,18 @@ fn dp(acc: f32, a: u32, b: u32) -> f32 {
     flush(half(a, 0).mul_add(half(b, 0), acc))
 }
 
-/// Lane sums of a score: pair `j` of dimensions goes to lane `j % SCORE_LANES`.
-const SCORE_LANES: usize = 4;
+/// Lane sums of a score: pair `j` of dimensions goes to lane `j % SCORE_LANES` (two: with six
+/// rows of queries, twelve independent sums, enough to hide the dot product's latency).
+const SCORE_LANES: usize = 2;
 
 /// A score (unscaled): query pairs `q` against the key whose pair `j` is `key(j)`, stepped with
-/// [`dp`] in [`SCORE_LANES`] lanes in order, folded `(l0 + l1) + (l2 + l3)`.
+/// [`dp`] in [`SCORE_LANES`] lanes in order, then added.
 fn dot(q: &[u32], key: impl Fn(usize) -> u32) -> f32 {
     let mut acc = [0f32; SCORE_LANES];
     for (j, &q) in q.iter().enumerate() {
         acc[j % SCORE_LANES] = dp(acc[j % SCORE_LANES], key(j), q);
     }
-    (acc[0] + acc[1]) + (acc[2] + acc[3])
+    acc[0] + acc[1]
 }
 
 /// Whether this CPU runs AVX-512 BF16 (with the F, BW and VL the kernels also use).
@@ -450,7 +451,7 @@ impl Tile<'_> {
 
 /// [`Tile::scores`] for `R` queries, sixteen slots to a register: [`dot`]'s lane sums, each a register, and its fold.
 ///
-/// SAFETY: the CPU has AVX-512 F, BW, VL and BF16; `pairs` (a multiple of four) lanes are
+/// SAFETY: the CPU has AVX-512 F, BW, VL and BF16; `pairs` (a multiple of [`SCORE_LANES`]) lanes are
 /// readable at each `q[r]`, and `2 * pairs * block_size` elements at `keys`; `slots.len()` floats
 /// are writable at each `out[r]`, overlapping nothing else; `slots.end <= block_size`.
 #[cfg(target_arch = "x86_64")]
@@ -488,7 +489,7 @@ unsafe fn qk_block_avx512<const R: usize>(
             }
             for r in 0..R {
                 let a = &acc[r];
-                let score = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+                let score = _mm512_add_ps(a[0], a[1]);
                 _mm512_mask_storeu_ps(
                     out[r].add(c - slots.start),
                     slot_mask,
