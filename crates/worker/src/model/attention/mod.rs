@@ -19,7 +19,7 @@
 //! same fixed order: still independent of chunk and batch), for half the bytes a token. A
 //! bfloat16 cache ([`KvDtype::Bf16`], module `bf16`) also multiplies in bfloat16, with its own
 //! kernels and fixed orders: twice the multiply-adds an instruction where the CPU has AVX-512
-//! BF16. Both paths share the tasks ([`Step`], [`Task`]): the tiles, the zeroing, the walk over
+//! BF16. Both paths share the tasks (`Step`, `Task`): the tiles, the zeroing, the walk over
 //! the key blocks.
 
 use std::{array::from_fn, ops::Range};
