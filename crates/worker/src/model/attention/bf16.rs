@@ -90,7 +90,7 @@ const SUM_LANES: usize = 16;
 
 /// A softmax row's weights before their division by the sum, as pairs: `exp(x - max(seen))` of
 /// the positions in `seen` (those its query sees), rounded to bfloat16 into `out` (the row's
-/// pairs, zero where nothing is seen); returns their sum. The weighted sums divide by it at the
+/// pairs, every lane written: zero where nothing is seen); returns their sum. The weighted sums divide by it at the
 /// end, as FlashAttention does. The weights are rounded to 8 bits of significand, so the
 /// exponential is a polynomial ([`exp`]) rather than the f32 path's `expf`. The sum runs in
 /// sixteen lanes, position `i` in lane `(i - base) % 16` from `base`, `seen.start` rounded down
@@ -98,6 +98,9 @@ const SUM_LANES: usize = 16;
 fn exp_pairs(row: &[f32], seen: Range<usize>, out: &mut [u32]) -> f32 {
     assert!(seen.end <= row.len() && out.len() >= row.len().div_ceil(2), "the row's pairs");
     let max = crate::model::exp::max(&row[seen.clone()]);
+    // The pairs the pass below does not reach.
+    out[..seen.start / 2].fill(0);
+    out[seen.end.div_ceil(2)..].fill(0);
     #[cfg(target_arch = "x86_64")]
     if avx512bf16() {
         // SAFETY: AVX-512 F, BW, VL and BF16 are present (checked at run time); the bounds
@@ -267,8 +270,8 @@ pub(super) fn attend(
     block_size: usize,
     shape: Attention,
 ) -> Vec<f32> {
-    let Heads { n_head, n_kv_head, head_dim: hd } = shape.heads;
-    let (q_row, group, scale) = (n_head * hd, n_head / n_kv_head, shape.scale);
+    let Heads { n_head, head_dim: hd, .. } = shape.heads;
+    let (q_row, group, scale) = (n_head * hd, shape.heads.group(), shape.scale);
     let mut pairs = Vec::with_capacity(q.len() / 2);
     push_pairs(q, &mut pairs);
     let mut out = Vec::<f32>::with_capacity(token_pos.len() * q_row);
@@ -308,8 +311,8 @@ impl<'a> Weights<'a> {
         let (lo, _) = shape.visible(task.p0);
         let from = lo - lo % task.step.block_size;
         let row_pairs = (n_max - from).div_ceil(2);
-        let group = shape.heads.n_head / shape.heads.n_kv_head;
-        pairs.clear();
+        let group = shape.heads.group();
+        // Every lane is written below (no zeroing of the whole buffer first).
         pairs.resize(task.m * group * row_pairs, 0);
         sums.clear();
         for (r, (row, pairs)) in scores.chunks(n_max).zip(pairs.chunks_mut(row_pairs)).enumerate() {
@@ -323,7 +326,7 @@ impl<'a> Weights<'a> {
     /// two tokens' heads at a time over one span of blocks, `span` its runs), then the division.
     fn weigh(&self, step: &Step<'_>, task: &Task<'_>, values: &[bf16], span: &mut Vec<(usize, usize)>) {
         let Heads { n_head, n_kv_head, head_dim: hd } = step.shape.heads;
-        let (q_row, group, pair_stride) = (n_head * hd, n_head / n_kv_head, 2 * n_kv_head * hd);
+        let (q_row, group, pair_stride) = (n_head * hd, step.shape.heads.group(), 2 * n_kv_head * hd);
         // A block's pair s of this KV head at the block's offset + s * pair_stride + 2 * g * hd.
         span.clear();
         span.extend(
@@ -755,7 +758,7 @@ mod tests {
             let sum = exp_pairs(&row, seen.clone(), &mut vector);
             let plain = exp_pairs_portable(&row, seen.clone(), max, &mut portable);
             let (v, p) = (unpack(&vector), unpack(&portable));
-            // Lanes the pass does not reach keep what was there (the caller zeroes them).
+            // Lanes outside the pass's reach are zeroed before it.
             let reached = (seen.start & !1)..seen.end.next_multiple_of(2);
             assert_eq!(sum.to_bits(), plain.to_bits(), "lead {lead}: the vector path's sum");
             assert_eq!(v[reached.clone()], p[reached.clone()], "lead {lead}: the vector path's pairs");

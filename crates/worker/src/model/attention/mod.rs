@@ -102,6 +102,13 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
+impl Heads {
+    /// Query heads sharing each KV head.
+    pub fn group(&self) -> usize {
+        self.n_head / self.n_kv_head
+    }
+}
+
 /// What one layer's attention computes: its heads, the score scale, and for a sliding-window
 /// layer how many of the latest positions (the query's own included) each query sees.
 #[derive(Debug, Clone, Copy)]
@@ -945,7 +952,7 @@ fn attend<E: KvElement>(
     shape: Attention,
 ) -> Vec<f32> {
     let Heads { n_head, n_kv_head, head_dim: hd } = shape.heads;
-    let (q_row, kv_row, group, scale) = (n_head * hd, n_kv_head * hd, n_head / n_kv_head, shape.scale);
+    let (q_row, kv_row, group, scale) = (n_head * hd, n_kv_head * hd, shape.heads.group(), shape.scale);
     let mut out = Vec::<f32>::with_capacity(q.len());
     let step = Step::new(rows, token_pos, shape, block_size, &mut out);
     step.run(|i, Scratch { scores, span, .. }| {
@@ -1043,7 +1050,7 @@ impl<'a> Step<'a> {
     fn task(&self, i: usize) -> Task<'_> {
         let Heads { n_head, n_kv_head, head_dim: hd } = self.shape.heads;
         let (r, t0, m) = self.tiles[self.tiles.len() - 1 - i / n_kv_head];
-        let (g, group, q_row) = (i % n_kv_head, n_head / n_kv_head, n_head * hd);
+        let (g, group, q_row) = (i % n_kv_head, self.shape.heads.group(), n_head * hd);
         let first = t0 * q_row + g * group * hd;
         for j in 0..m {
             // SAFETY: the heads of KV group g of token t0 + j are this task's alone (and
@@ -1094,7 +1101,7 @@ impl Task<'_> {
     /// written by [`Task::score_blocks`], and [`softmax_rows`] needs zeros around them (a whole
     /// new buffer each task was a memset of every score).
     fn clear_scores(&self, scores: &mut Vec<f32>) {
-        let group = self.step.shape.heads.n_head / self.step.shape.heads.n_kv_head;
+        let group = self.step.shape.heads.group();
         scores.resize(self.m * group * self.n_max, 0.0);
         for (r, row) in scores.chunks_mut(self.n_max).enumerate() {
             let (lo, hi) = self.step.shape.visible(self.p0 + r / group);
@@ -1139,7 +1146,7 @@ impl Task<'_> {
 
     /// Each score row's softmax over what its query sees, in place.
     fn softmax(&self, scores: &mut [f32]) {
-        let group = self.step.shape.heads.n_head / self.step.shape.heads.n_kv_head;
+        let group = self.step.shape.heads.group();
         softmax_rows(scores, self.n_max, |r| self.step.shape.visible(self.p0 + r / group));
     }
 }
