@@ -142,6 +142,30 @@ async fn an_isolated_tenant_never_hits_another_tenants_cache_and_usage_is_accoun
 }
 
 #[tokio::test]
+async fn a_request_cache_salt_shares_blocks_only_with_the_same_salt() {
+    let worker = Worker::start(&sim("{}")).await;
+    let router = Router::with_workers(&[&worker], &[] as &[&str]).await;
+    let prompt: Vec<u32> = (1..=100).collect();
+    let salted = |salt: &str| {
+        let mut body = ask(json!(prompt));
+        body["cache_salt"] = json!(salt);
+        body
+    };
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
+
+    let (status, _, first) = call(&router, None, &salted("salt-1")).await;
+    assert_eq!((status, cached(&first)), (200, json!(0)));
+    let (_, _, same) = call(&router, None, &salted("salt-1")).await;
+    assert_eq!(cached(&same), 96, "the same salt reuses its blocks");
+    let (_, _, other) = call(&router, None, &salted("salt-2")).await;
+    assert_eq!(cached(&other), 0, "another salt never sees them");
+    let (_, _, plain) = call(&router, None, &ask(json!(prompt))).await;
+    assert_eq!(cached(&plain), 0, "nor does a request without a salt");
+    let (status, _, refused) = call(&router, None, &salted("")).await;
+    assert_eq!((status, refused["error"]["param"].clone()), (400, json!("cache_salt")));
+}
+
+#[tokio::test]
 async fn two_routers_each_enforce_half_of_a_tenants_rate() {
     let etcd = Etcd::start().await;
     let dir = TempDir::new().unwrap();

@@ -173,7 +173,7 @@ async fn complete(
         .filter(|t| t.active())
         .map(|t| (Family::of_template(pool.tokenizer.template().map(ChatTemplate::source)), t.parallel));
     check_constraints(state, tool_parsing.map(|(family, _)| family), &mut job).await?;
-    let cache_salt = tenant.cache_salt();
+    let cache_salt = tenant.prefix_salt(job.cache_salt.as_deref());
     let tokenized = tokenize_job(state, &pool, &mut job, &cache_salt).await?;
     check_against_model(&pool, &job, &tokenized)?;
     let accounting = charge(state, &tenant, class, &pool, &mut job, &tokenized).await?;

@@ -94,6 +94,9 @@ pub struct Job {
     pub priority: Option<Priority>,
     /// Chat only: extra variables for the chat template (vLLM's `chat_template_kwargs`).
     pub chat_template_kwargs: Option<TemplateKwargs>,
+    /// vLLM's `cache_salt`: only requests with the same salt (and tenant) share prefix-cache
+    /// blocks.
+    pub cache_salt: Option<String>,
 }
 
 impl Job {
@@ -149,6 +152,7 @@ struct RawRequest {
     guided_grammar: Option<String>,
     guided_choice: Option<Vec<String>>,
     chat_template_kwargs: Option<TemplateKwargs>,
+    cache_salt: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -223,6 +227,7 @@ fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
     let sampling = sampling(&mut raw)?;
     let stop = stop(raw.stop.take())?;
     let priority = priority(raw.service_tier.as_deref(), raw.priority)?;
+    let cache_salt = cache_salt(raw.cache_salt.take())?;
     Ok(Job {
         endpoint,
         model: raw.model,
@@ -243,7 +248,24 @@ fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
         tools,
         priority,
         chat_template_kwargs,
+        cache_salt,
     })
+}
+
+/// The longest `cache_salt` taken, in bytes (vLLM suggests 43 characters: 256 random bits).
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
+
+/// A request's prefix-cache salt: a non-empty string of at most [`MAX_CACHE_SALT_BYTES`].
+fn cache_salt(salt: Option<String>) -> Result<Option<String>, ApiError> {
+    const PARAM: &str = "cache_salt";
+    match salt {
+        Some(s) if s.is_empty() => Err(ApiError::invalid(PARAM, "'cache_salt' must not be empty")),
+        Some(s) if s.len() > MAX_CACHE_SALT_BYTES => Err(ApiError::invalid(
+            PARAM,
+            format!("'cache_salt' is {} bytes; at most {MAX_CACHE_SALT_BYTES} are taken", s.len()),
+        )),
+        salt => Ok(salt),
+    }
 }
 
 /// Extra chat-template variables: for chat only, and never one the renderer sets itself.
@@ -669,6 +691,20 @@ mod tests {
         }
         let completion = parse(Endpoint::Completions, br#"{"model":"m","prompt":"x","chat_template_kwargs":{}}"#);
         assert_eq!(param_of(completion.unwrap_err()).as_deref(), Some("chat_template_kwargs"));
+    }
+
+    #[test]
+    fn a_cache_salt_is_a_short_non_empty_string_on_either_endpoint() {
+        let with = |salt: &str| {
+            parse(Endpoint::Completions, format!(r#"{{"model":"m","prompt":"x","cache_salt":{salt}}}"#).as_bytes())
+        };
+        assert_eq!(with(r#""abc""#).unwrap().cache_salt.as_deref(), Some("abc"));
+        let long = format!(r#""{}""#, "s".repeat(MAX_CACHE_SALT_BYTES + 1));
+        for bad in [r#""""#, "7", long.as_str()] {
+            assert_eq!(param_of(with(bad).unwrap_err()).as_deref(), Some("cache_salt"), "{bad}");
+        }
+        let chat = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"cache_salt":"s"}"#).unwrap();
+        assert_eq!(chat.cache_salt.as_deref(), Some("s"));
     }
 
     #[test]

@@ -111,6 +111,22 @@ impl Tenant {
             hex(&digest[..16])
         })
     }
+
+    /// The salt of a request's prefix-cache chain: this tenant's, joined with the request's own
+    /// `cache_salt` when it sends one (vLLM's field: only requests that know the salt share the
+    /// blocks, so a neighbour cannot probe for a prompt by timing its cache hits).
+    ///
+    /// A joined salt always holds a NUL, which neither a tenant's (hex) salt nor the shared chain
+    /// (none) does, and starts with the tenant's fixed-length salt, or with the NUL when the
+    /// tenant shares: so a request salt never reaches another tenant's isolated chain, the shared
+    /// one, or a request salt of another isolated tenant.
+    pub fn prefix_salt(&self, request_salt: Option<&str>) -> Option<String> {
+        let tenant = self.cache_salt();
+        match request_salt {
+            None => tenant,
+            Some(salt) => Some(format!("{}\0{salt}", tenant.unwrap_or_default())),
+        }
+    }
 }
 
 /// A parsed, valid tenants file.
@@ -499,19 +515,46 @@ pub(crate) mod tests {
         assert!(matches!(parse("tenants: 3\n"), Err(ConfigError::Syntax(_))));
     }
 
-    #[test]
-    fn the_cache_salt_depends_on_the_name_only_and_differs_between_tenants() {
-        let t = |name: &str, limit| Tenant {
+    /// A tenant of this name with an isolated cache and this rate limit.
+    fn t(name: &str, limit: Option<u64>) -> Tenant {
+        Tenant {
             name: name.into(),
             isolate_prefix_cache: true,
             requests_per_minute: limit,
             ..(*Tenant::anonymous()).clone()
-        };
+        }
+    }
+
+    #[test]
+    fn the_cache_salt_depends_on_the_name_only_and_differs_between_tenants() {
         let a = t("a", None).cache_salt().unwrap();
         assert_eq!(a, t("a", Some(5)).cache_salt().unwrap(), "stable across a reload that changes limits");
         assert_ne!(a, t("b", None).cache_salt().unwrap());
         assert_eq!(a.len(), 32);
         assert!(Tenant::anonymous().cache_salt().is_none());
+    }
+
+    #[test]
+    fn a_request_salt_separates_chains_and_never_reaches_a_tenants_own() {
+        let (isolated, shared) = (t("a", None), Tenant::anonymous());
+        assert_eq!(isolated.prefix_salt(None), isolated.cache_salt(), "no request salt: the tenant's chain");
+        assert_eq!(shared.prefix_salt(None), None, "no request salt: the shared chain");
+        let salted = [
+            isolated.prefix_salt(Some("s")).unwrap(),
+            isolated.prefix_salt(Some("t")).unwrap(),
+            shared.prefix_salt(Some("s")).unwrap(),
+            t("b", None).prefix_salt(Some("s")).unwrap(),
+        ];
+        for (i, a) in salted.iter().enumerate() {
+            assert!(a.contains('\0'), "a joined salt is never a tenant's hex salt");
+            assert_ne!(Some(a.clone()), isolated.cache_salt());
+            for b in &salted[i + 1..] {
+                assert_ne!(a, b, "each (tenant, request salt) has its own chain");
+            }
+        }
+        assert_eq!(isolated.prefix_salt(Some("s")), t("a", Some(5)).prefix_salt(Some("s")), "stable");
+        // A shared tenant's salted requests meet those of another shared tenant with the salt.
+        assert_eq!(shared.prefix_salt(Some("s")), Tenant::anonymous().prefix_salt(Some("s")));
     }
 
     #[test]
