@@ -1,7 +1,7 @@
 """The official OpenAI Python client against a Bellows router, unchanged: chat and text
 completions, streamed and not, usage, structured outputs (`parse` with a Pydantic model,
 json_object), tool calls (a two-turn round trip, required and named, streamed deltas), logprobs,
-and errors surfacing as the client's own exceptions.
+a per-request `cache_salt`, and errors surfacing as the client's own exceptions.
 Run by tests/real_model.rs with BASE_URL and MODEL set; exits non-zero on any mismatch."""
 import os
 import sys
@@ -56,6 +56,28 @@ streamed = "".join(
     if c.choices
 )
 assert streamed == completion.choices[0].text, (streamed, completion.choices[0].text)
+
+# vLLM's per-request cache_salt, as the client sends extensions: cached blocks are shared only by
+# requests with the same salt.
+salted_messages = [{"role": "user", "content": "List the planets of the solar system, in order, with one fact each."}]
+salt = os.urandom(16).hex()
+
+
+def cached_with(salt):
+    r = client.chat.completions.create(
+        model=model, messages=salted_messages, max_tokens=1, temperature=0, extra_body={"cache_salt": salt}
+    )
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+assert cached_with(salt) == 0
+assert cached_with(salt) > 0, "the same salt reuses its blocks"
+assert cached_with(salt + "-other") == 0, "another salt never sees them"
+try:
+    cached_with("")
+    raise AssertionError("an empty cache_salt was accepted")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "cache_salt", e.body
 
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
