@@ -345,13 +345,7 @@ impl<'a> Weights<'a> {
                 // Row i: token j0 + i / n, head h + i % n.
                 let at = |i: usize| (j0 + i / n, h + i % n);
                 let (w, o) = (|i: usize| w(at(i).0, at(i).1), |i: usize| out(at(i).0, at(i).1));
-                match tokens * n {
-                    6 => weigh_runs::<6>(from_fn(w), values, span, pair_stride, from_fn(o)),
-                    4 => weigh_runs::<4>(from_fn(w), values, span, pair_stride, from_fn(o)),
-                    3 => weigh_runs::<3>(from_fn(w), values, span, pair_stride, from_fn(o)),
-                    2 => weigh_runs::<2>(from_fn(w), values, span, pair_stride, from_fn(o)),
-                    _ => weigh_runs::<1>(from_fn(w), values, span, pair_stride, from_fn(o)),
-                }
+                with_rows!(tokens * n, [6 4 3 2] 1, |R| weigh_runs::<R>(from_fn(w), values, span, pair_stride, from_fn(o)))
             }
         }
         for (r, &sum) in self.sums.iter().enumerate() {
@@ -412,13 +406,15 @@ impl Tile<'_> {
                         let q = |i: usize| q.add(query(at(i).0, at(i).1));
                         let o = |i: usize| s.add(row(at(i).0, at(i).1));
                         let (k, slots) = (keys.as_ptr(), slots.clone());
-                        match two * n {
-                            6 => qk_block_avx512::<6>(from_fn(q), k, block_size, pairs, slots, scale, from_fn(o)),
-                            4 => qk_block_avx512::<4>(from_fn(q), k, block_size, pairs, slots, scale, from_fn(o)),
-                            3 => qk_block_avx512::<3>(from_fn(q), k, block_size, pairs, slots, scale, from_fn(o)),
-                            2 => qk_block_avx512::<2>(from_fn(q), k, block_size, pairs, slots, scale, from_fn(o)),
-                            _ => qk_block_avx512::<1>(from_fn(q), k, block_size, pairs, slots, scale, from_fn(o)),
-                        }
+                        with_rows!(two * n, [6 4 3 2] 1, |R| qk_block_avx512::<R>(
+                            from_fn(q),
+                            k,
+                            block_size,
+                            pairs,
+                            slots,
+                            scale,
+                            from_fn(o)
+                        ))
                     }
                 }
             }

@@ -28,6 +28,24 @@ use half::{f16, vec::HalfBitsVecExt};
 
 use super::{BatchRow, exp::exp_shifted};
 
+/// `$call` with `$rows` a constant equal to the count `$n`, among the counts a kernel is built
+/// for (the last one takes any other count; the callers' counts are among these): the count is
+/// known at run time, the kernel keeps that many rows' sums in registers.
+macro_rules! with_rows {
+    ($n:expr, [$($k:literal)*] $last:literal, |$rows:ident| $call:expr) => {
+        match $n {
+            $($k => {
+                const $rows: usize = $k;
+                $call
+            })*
+            _ => {
+                const $rows: usize = $last;
+                $call
+            }
+        }
+    };
+}
+
 mod bf16;
 
 /// Below this many multiply-adds a step's attention runs on the calling thread.
@@ -678,29 +696,15 @@ impl QueryTile<'_> {
                     unsafe {
                         let qr = |i: usize| q.add(self.first + j * self.q_row + (h + i) * hd);
                         let sr = |i: usize| s.add((j * group + h + i) * n_max + p);
-                        match n {
-                            3 => qk_block_avx512::<_, 3>(
-                                from_fn(qr),
-                                keys.as_ptr(),
-                                block_size,
-                                hd,
-                                0..len,
-                                scale,
-                                from_fn(sr),
-                            ),
-                            2 => qk_block_avx512::<_, 2>(
-                                from_fn(qr),
-                                keys.as_ptr(),
-                                block_size,
-                                hd,
-                                0..len,
-                                scale,
-                                from_fn(sr),
-                            ),
-                            _ => {
-                                qk_block_avx512::<_, 1>([qr(0)], keys.as_ptr(), block_size, hd, 0..len, scale, [sr(0)])
-                            }
-                        }
+                        with_rows!(n, [3 2] 1, |R| qk_block_avx512::<_, R>(
+                            from_fn(qr),
+                            keys.as_ptr(),
+                            block_size,
+                            hd,
+                            0..len,
+                            scale,
+                            from_fn(sr)
+                        ))
                     }
                 }
             }
@@ -732,15 +736,8 @@ impl QueryTile<'_> {
         for (h, n) in head_runs(group) {
             let run = &mut heads[h * n_max..(h + n) * n_max];
             let (slots, cols) = (slots.clone(), cols.clone());
-            match n {
-                3 => {
-                    qk_block::<_, 3>(from_fn(|i| q(h + i)), keys, block_size, slots, scale, rows_mut(run, n_max, cols))
-                }
-                2 => {
-                    qk_block::<_, 2>(from_fn(|i| q(h + i)), keys, block_size, slots, scale, rows_mut(run, n_max, cols))
-                }
-                _ => qk_block::<_, 1>([q(h)], keys, block_size, slots, scale, rows_mut(run, n_max, cols)),
-            }
+            let q = |i| q(h + i);
+            with_rows!(n, [3 2] 1, |R| qk_block::<_, R>(from_fn(q), keys, block_size, slots, scale, rows_mut(run, n_max, cols)))
         }
     }
 
@@ -766,11 +763,8 @@ impl QueryTile<'_> {
         let w = |h: usize| &scores[(j * group + h) * n_max + p + slots.start..][..slots.len()];
         let first_row = off + slots.start * stride;
         for (h, n) in head_runs(group) {
-            match n {
-                3 => weighted_run::<_, 3>(from_fn(|i| w(h + i)), values, first_row, stride, from_fn(|i| o(h + i))),
-                2 => weighted_run::<_, 2>(from_fn(|i| w(h + i)), values, first_row, stride, from_fn(|i| o(h + i))),
-                _ => weighted_run::<_, 1>([w(h)], values, first_row, stride, [o(h)]),
-            }
+            let (w, o) = (|i| w(h + i), |i| o(h + i));
+            with_rows!(n, [3 2] 1, |R| weighted_run::<_, R>(from_fn(w), values, first_row, stride, from_fn(o)))
         }
     }
 
@@ -821,13 +815,13 @@ impl QueryTile<'_> {
                                 out.slice(self.first + j * self.q_row + h * hd + t, TILE).as_mut_ptr()
                             };
                             let v = v.add(t);
-                            match tokens * n {
-                                6 => weighted_tile_avx512::<_, 6>(from_fn(w), v, runs, stride, from_fn(o)),
-                                4 => weighted_tile_avx512::<_, 4>(from_fn(w), v, runs, stride, from_fn(o)),
-                                3 => weighted_tile_avx512::<_, 3>(from_fn(w), v, runs, stride, from_fn(o)),
-                                2 => weighted_tile_avx512::<_, 2>(from_fn(w), v, runs, stride, from_fn(o)),
-                                _ => weighted_tile_avx512::<_, 1>(from_fn(w), v, runs, stride, from_fn(o)),
-                            }
+                            with_rows!(tokens * n, [6 4 3 2] 1, |R| weighted_tile_avx512::<_, R>(
+                                from_fn(w),
+                                v,
+                                runs,
+                                stride,
+                                from_fn(o)
+                            ))
                         }
                     }
                 }
