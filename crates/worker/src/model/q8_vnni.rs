@@ -18,7 +18,8 @@
 //! high ones, as GGUF packs them. Activations are quantized per row to Q8_0 (an f32 scale per 32
 //! values, rounded through f16 as GGUF stores it; quants rounded half to even), as llama.cpp
 //! quantizes them for these formats; each block also keeps the sum of its quants, which takes
-//! Q8_0's offset back out exactly and carries Q4_1's minimum.
+//! Q8_0's offset back out exactly and carries Q4_1's minimum. They lie block-major within each
+//! pass of rows (see `QuantRows`), so the kernel reaches them through one pointer.
 //!
 //! The invariant, exactness: an output is a sum over blocks `b`, in order, of
 //! `acc = fma(f32(dot_b) * w_scale_b, x_scale_b, acc)`, where `dot_b` is the exact integer dot
@@ -47,9 +48,16 @@ const Q4_1_BYTES: usize = 4 + BLOCK / 2;
 const TILE: usize = 16;
 /// Inputs one `vpdpbusd` lane sums.
 const GROUP: usize = 4;
-/// Most rows a pass keeps in registers (three each: two integer chains for the block and the
-/// row's running f32 sums).
+/// Most rows a pass keeps in registers (three each: for Q8_0 two integer chains for the block and
+/// the row's running f32 sums; for Q4_1 one chain, the sums and the minimums' sums).
 const MAX_ROWS: usize = 8;
+/// The bits of the f32 `1.5 * 2^23`. Added to an integer below `2^22` in size, they give the bits of
+/// `1.5 * 2^23 + that integer` exactly (the floats in `[2^23, 2^24)` are the integers): a dot
+/// product's chain starts from them, so its sum is already a float, offset by [`MAGIC`], with no
+/// conversion instruction.
+const MAGIC_BITS: i32 = 0x4B40_0000;
+/// `1.5 * 2^23`, the float [`MAGIC_BITS`] stand for.
+const MAGIC: f32 = 12_582_912.0;
 /// Passes one work item runs against its tile: the item's setup (the tile's slices, the dispatch)
 /// is paid once for them all.
 const ITEM_PASSES: usize = 4;
@@ -85,15 +93,22 @@ enum Format {
     Q4_1 { quants: Vec<[u8; BLOCK * TILE / 2]>, scales: Vec<[f16; TILE]>, mins: Vec<[f16; TILE]> },
 }
 
-/// Activations quantized per row, block by block.
+/// Activations quantized per row, block by block, laid out pass by pass as the kernel reads them:
+/// the rows of a pass (eight consecutive rows from a multiple of eight, fewer in the last) lie
+/// block-major, `[block][row of the pass]`, so one pointer that steps a block at a time reaches
+/// every row of the pass at a displacement known at compile time (row-major rows cost the kernel
+/// an address register or a bounds check per row and block, which ran on the vector ports).
 struct QuantRows {
+    /// Blocks a row.
     blocks: usize,
+    rows: usize,
     quants: Vec<[i8; BLOCK]>,
     scales: Vec<f32>,
-    /// The sum of each block's quants.
-    sums: Vec<i32>,
-    /// The block's (unrounded) scale times that sum, rounded through f16: llama.cpp's Q8_1 `s`,
-    /// which carries Q4_1's minimum.
+    /// `-128` times the sum of each block's quants, plus [`MAGIC_BITS`]: starts a Q8_0 dot product
+    /// so that it takes the weights' offset back out and ends as a float.
+    offsets: Vec<i32>,
+    /// The block's (unrounded) scale times the sum of its quants, rounded through f16: llama.cpp's
+    /// Q8_1 `s`, which carries Q4_1's minimum.
     scaled_sums: Vec<f32>,
 }
 
@@ -221,7 +236,7 @@ impl VnniWeights {
         let nibbles = matches!(self.format, Format::Q4_1 { .. });
         for first in rows.clone().step_by(MAX_ROWS) {
             let count = MAX_ROWS.min(rows.end - first);
-            let x = x.range(first, count);
+            let x = x.pass(first, count);
             // SAFETY: the caller's promise; row `first + r`'s columns of this tile start here.
             let dst = unsafe { out.add(first * self.n + tile * TILE) };
             /// The kernel for `count` rows and the format, compile-time constants in each arm.
@@ -249,25 +264,14 @@ struct TileRef<'a> {
     mins: &'a [[f16; TILE]],
 }
 
-/// Consecutive rows' quantized blocks (`blocks` per row).
+/// One pass's quantized blocks, `[block][row]` (see [`QuantRows`]): `blocks × rows` of each.
 #[derive(Clone, Copy)]
-struct RowRange<'a> {
+struct PassRef<'a> {
     blocks: usize,
     quants: &'a [[i8; BLOCK]],
     scales: &'a [f32],
-    sums: &'a [i32],
+    offsets: &'a [i32],
     scaled_sums: &'a [f32],
-}
-
-impl RowRange<'_> {
-    /// Row `r`'s quants of groups `g` and `g + 4` of block `b`, four bytes each, as `vpdpbusd`'s
-    /// broadcast operand.
-    #[inline(always)]
-    fn groups(&self, r: usize, b: usize, g: usize) -> (i32, i32) {
-        let q = &self.quants[r * self.blocks + b];
-        let four = |at: usize| i32::from_le_bytes([q[at], q[at + 1], q[at + 2], q[at + 3]].map(|v| v as u8));
-        (four(g * GROUP), four((g + 4) * GROUP))
-    }
 }
 
 impl QuantRows {
@@ -277,25 +281,32 @@ impl QuantRows {
         let count = xs.len() / BLOCK;
         let mut rows = QuantRows {
             blocks: k / BLOCK,
+            rows: xs.len() / k,
             quants: vec![[0i8; BLOCK]; count],
             scales: vec![0f32; count],
-            sums: vec![0i32; count],
+            offsets: vec![0i32; count],
             scaled_sums: vec![0f32; count],
         };
         let at = (
             rows.quants.as_mut_ptr() as usize,
             rows.scales.as_mut_ptr() as usize,
-            rows.sums.as_mut_ptr() as usize,
+            rows.offsets.as_mut_ptr() as usize,
             rows.scaled_sums.as_mut_ptr() as usize,
         );
+        let (nb, m) = (rows.blocks, rows.rows);
         let work = |blocks: std::ops::Range<usize>| {
-            let (quants, scales, sums, scaled) =
+            let (quants, scales, offsets, scaled) =
                 (at.0 as *mut [i8; BLOCK], at.1 as *mut f32, at.2 as *mut i32, at.3 as *mut f32);
             for i in blocks {
                 let x: &[f32; BLOCK] = xs[i * BLOCK..(i + 1) * BLOCK].try_into().expect("one block");
-                // SAFETY: block `i` belongs to this range alone, and is below `count`; AVX-512F
-                // was checked before any `VnniWeights` was made.
-                unsafe { (*scales.add(i), *sums.add(i), *scaled.add(i)) = quantize_block(x, &mut *quants.add(i)) };
+                let j = Self::slot(nb, m, i / nb, i % nb);
+                // SAFETY: source block `i` belongs to this range alone, and `slot` maps distinct
+                // blocks to distinct places below `count`; AVX-512F was checked before any
+                // `VnniWeights` was made.
+                unsafe {
+                    let (scale, sum, scaled_sum) = quantize_block(x, &mut *quants.add(j));
+                    (*scales.add(j), *offsets.add(j), *scaled.add(j)) = (scale, MAGIC_BITS - 128 * sum, scaled_sum);
+                }
             }
         };
         // A decode step's few rows stay on this thread: waking the pool would cost more than the
@@ -308,13 +319,27 @@ impl QuantRows {
         rows
     }
 
-    fn range(&self, first: usize, count: usize) -> RowRange<'_> {
+    /// Where block `block` of row `row` lies, of `rows` rows of `blocks` blocks: in its pass's span,
+    /// block-major.
+    fn slot(blocks: usize, rows: usize, row: usize, block: usize) -> usize {
+        let first = row - row % MAX_ROWS;
+        first * blocks + block * MAX_ROWS.min(rows - first) + row % MAX_ROWS
+    }
+
+    /// The pass of rows `first..first + count`: `first` a multiple of [`MAX_ROWS`], `count` up to
+    /// it, and short only where the rows end.
+    fn pass(&self, first: usize, count: usize) -> PassRef<'_> {
+        assert!(
+            first.is_multiple_of(MAX_ROWS) && count == MAX_ROWS.min(self.rows - first),
+            "rows {first}..{} are not one pass",
+            first + count
+        );
         let span = first * self.blocks..(first + count) * self.blocks;
-        RowRange {
+        PassRef {
             blocks: self.blocks,
             quants: &self.quants[span.clone()],
             scales: &self.scales[span.clone()],
-            sums: &self.sums[span.clone()],
+            offsets: &self.offsets[span.clone()],
             scaled_sums: &self.scaled_sums[span],
         }
     }
@@ -351,17 +376,18 @@ unsafe fn quantize_block(_: &[f32; BLOCK], _: &mut [i8; BLOCK]) -> (f32, i32, f3
     unreachable!("VnniWeights are only made where `available` is true")
 }
 
-/// `R` consecutive rows against one tile, of Q4_1 if `NIBBLES` else of Q8_0: row `r`'s `cols`
-/// outputs go to `out + r * stride`, each summed in the order the module docs give.
+/// A pass of `R` rows against one tile, of Q4_1 if `NIBBLES` else of Q8_0: row `r`'s `cols`
+/// outputs go to `out + r * stride`, each summed in the order the module docs give. Raw pointers
+/// step through the blocks: every address is a pointer plus a constant, with no bounds check.
 ///
 /// # Safety
-/// The CPU has AVX-512 F, BW and VNNI; `x` holds `R` rows; `out + r * stride .. + cols` is
-/// writable for each row `r`.
+/// The CPU has AVX-512 F, BW and VNNI; `x` holds `R` rows and `w` its blocks (checked below);
+/// `out + r * stride .. + cols` is writable for each row `r`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn kernel<const R: usize, const NIBBLES: bool>(
     w: TileRef,
-    x: RowRange,
+    x: PassRef,
     out: *mut f32,
     stride: usize,
     cols: usize,
@@ -369,24 +395,37 @@ unsafe fn kernel<const R: usize, const NIBBLES: bool>(
     use std::arch::x86_64::*;
     let nb = x.blocks;
     let block_bytes = if NIBBLES { BLOCK * TILE / 2 } else { BLOCK * TILE };
+    let per_pass = [x.quants.len(), x.scales.len(), x.offsets.len(), x.scaled_sums.len()];
+    assert!(per_pass.iter().all(|&len| len == nb * R), "a pass of {R} rows has {per_pass:?} blocks, not {nb} each");
+    assert!(w.quants.len() == nb * block_bytes && w.scales.len() == nb && (!NIBBLES || w.mins.len() == nb));
+    let (mut wq, mut ws) = (w.quants.as_ptr(), w.scales.as_ptr());
+    let (mut xq, mut xs, mut xo) = (x.quants.as_ptr().cast::<u8>(), x.scales.as_ptr(), x.offsets.as_ptr());
     let nibble = _mm512_set1_epi8(0x0F);
-    let mut acc = [_mm512_setzero_ps(); R];
-    for b in 0..nb {
-        let wq = w.quants[b * block_bytes..(b + 1) * block_bytes].as_ptr();
-        // SAFETY: 16 f16 scales, loaded unaligned.
-        let w_scale = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(w.scales[b].as_ptr().cast()) });
-        // Two chains a row (groups 0-3 and 4-7), added at the end: integer sums are exact in any
-        // order, and half-length chains keep twice as many multiplies in flight. For Q8_0 the
-        // first starts at -128 * sum(x), taking the weights' offset back out.
-        let mut lo: [__m512i; R] = std::array::from_fn(|r| {
-            if NIBBLES { _mm512_setzero_si512() } else { _mm512_set1_epi32(-128 * x.sums[r * nb + b]) }
-        });
-        let mut hi = [_mm512_setzero_si512(); R];
-        for g in 0..BLOCK / GROUP / 2 {
-            // SAFETY: groups `g` and `g + 4` of the block: 64 bytes each inside its 512 (Q8_0), or
-            // packed in 64 bytes inside its 256 (Q4_1); unaligned.
-            let (w_lo, w_hi) = unsafe {
-                if NIBBLES {
+    let (mut wm, mut xm) = (w.mins.as_ptr(), x.scaled_sums.as_ptr());
+    let (mut acc, mut mins) = ([_mm512_setzero_ps(); R], [_mm512_setzero_ps(); R]);
+    for _ in 0..nb {
+        // SAFETY (the whole loop body): the pointers stand at this block, inside the slices
+        // checked above: `block_bytes` of quants and 16 f16 scales (and minimums) of the tile,
+        // `R` rows' 32 quants, scales, offsets (and scaled sums) of the pass. Loads are unaligned.
+        unsafe {
+            let w_scale = _mm512_cvtph_ps(_mm256_loadu_si256(ws.cast()));
+            // `-MAGIC * w_scale` is exact (an f16 scale has 11 significant bits, `MAGIC` two), so
+            // `fma(MAGIC + dot, w_scale, -MAGIC * w_scale)` rounds `dot * w_scale` once: the same
+            // bits as `f32(dot) * w_scale`, without the conversion per row.
+            let w_unmagic = _mm512_mul_ps(w_scale, _mm512_set1_ps(-MAGIC));
+            // Q8_0 runs two chains a row (groups 0-3 and 4-7), added at the end: integer sums are
+            // exact in any order, and half-length chains keep more multiplies in flight; the
+            // first starts at the block's offset, taking the weights' +128 back out. Q4_1 runs
+            // one, leaving registers for its minimums' sums. Each ends as the bits of
+            // `MAGIC + dot` (dot products here stay below 2^20 in size).
+            let high = if NIBBLES { 0 } else { 1 };
+            let mut dots: [[__m512i; R]; 2] = [
+                std::array::from_fn(|r| _mm512_set1_epi32(if NIBBLES { MAGIC_BITS } else { *xo.add(r) })),
+                [_mm512_setzero_si512(); R],
+            ];
+            for g in 0..BLOCK / GROUP / 2 {
+                // Groups `g` and `g + 4`: 64 bytes each (Q8_0), or packed in one 64 (Q4_1).
+                let (w_lo, w_hi) = if NIBBLES {
                     let packed = _mm512_loadu_si512(wq.add(g * TILE * GROUP).cast());
                     (_mm512_and_si512(packed, nibble), _mm512_and_si512(_mm512_srli_epi16::<4>(packed), nibble))
                 } else {
@@ -394,29 +433,35 @@ unsafe fn kernel<const R: usize, const NIBBLES: bool>(
                         _mm512_loadu_si512(wq.add(g * TILE * GROUP).cast()),
                         _mm512_loadu_si512(wq.add((g + 4) * TILE * GROUP).cast()),
                     )
+                };
+                #[allow(clippy::needless_range_loop)] // `r` indexes the chains and the quants alike
+                for r in 0..R {
+                    // Row `r`'s four quants of each group, broadcast as `vpdpbusd`'s signed operand.
+                    let a = xq.add(r * BLOCK + g * GROUP).cast::<i32>().read_unaligned();
+                    let c = xq.add(r * BLOCK + (g + 4) * GROUP).cast::<i32>().read_unaligned();
+                    dots[0][r] = _mm512_dpbusd_epi32(dots[0][r], w_lo, _mm512_set1_epi32(a));
+                    dots[high][r] = _mm512_dpbusd_epi32(dots[high][r], w_hi, _mm512_set1_epi32(c));
                 }
-            };
-            for r in 0..R {
-                let (a, c) = x.groups(r, b, g);
-                lo[r] = _mm512_dpbusd_epi32(lo[r], w_lo, _mm512_set1_epi32(a));
-                hi[r] = _mm512_dpbusd_epi32(hi[r], w_hi, _mm512_set1_epi32(c));
             }
-        }
-        for r in 0..R {
-            let dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r]));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, w_scale), _mm512_set1_ps(x.scales[r * nb + b]), acc[r]);
+            for r in 0..R {
+                let dot = if NIBBLES { dots[0][r] } else { _mm512_add_epi32(dots[0][r], dots[1][r]) };
+                let scaled = _mm512_fmadd_ps(_mm512_castsi512_ps(dot), w_scale, w_unmagic);
+                acc[r] = _mm512_fmadd_ps(scaled, _mm512_set1_ps(*xs.add(r)), acc[r]);
+            }
+            if NIBBLES {
+                // Q4_1's minimums' terms, on their own sums until the end (as llama.cpp adds them).
+                let w_min = _mm512_cvtph_ps(_mm256_loadu_si256(wm.cast()));
+                for (r, mins) in mins.iter_mut().enumerate() {
+                    *mins = _mm512_fmadd_ps(w_min, _mm512_set1_ps(*xm.add(r)), *mins);
+                }
+                (wm, xm) = (wm.add(1), xm.add(R));
+            }
+            wq = wq.add(block_bytes);
+            ws = ws.add(1);
+            (xq, xs, xo) = (xq.add(R * BLOCK), xs.add(R), xo.add(R));
         }
     }
     if NIBBLES {
-        // Q4_1's minimums' terms on their own sums, added last (as llama.cpp adds them).
-        let mut mins = [_mm512_setzero_ps(); R];
-        for b in 0..nb {
-            // SAFETY: 16 f16 minimums, loaded unaligned.
-            let w_min = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(w.mins[b].as_ptr().cast()) });
-            for (r, mins) in mins.iter_mut().enumerate() {
-                *mins = _mm512_fmadd_ps(w_min, _mm512_set1_ps(x.scaled_sums[r * nb + b]), *mins);
-            }
-        }
         acc = std::array::from_fn(|r| _mm512_add_ps(acc[r], mins[r]));
     }
     // SAFETY: the caller's promise.
@@ -439,7 +484,7 @@ unsafe fn store<const R: usize>(acc: &[std::arch::x86_64::__m512; R], out: *mut 
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel<const R: usize, const NIBBLES: bool>(_: TileRef, _: RowRange, _: *mut f32, _: usize, _: usize) {
+unsafe fn kernel<const R: usize, const NIBBLES: bool>(_: TileRef, _: PassRef, _: *mut f32, _: usize, _: usize) {
     unreachable!("VnniWeights are only made where `available` is true")
 }
 
@@ -526,6 +571,30 @@ mod tests {
                 let got = flat(&ours.forward(&x).unwrap());
                 let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
                 assert_eq!(differ, 0, "{dtype:?} {n}x{k}, {m} rows: {differ} of {} outputs differ", got.len());
+            }
+        }
+    }
+
+    #[test]
+    fn the_largest_dot_products_a_block_can_hold_stay_exact() {
+        if !available() {
+            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            return;
+        }
+        // Every activation quant at 127 and every weight quant at the end of its range (Q8_0:
+        // -127 or 127; Q4_1: 0 and 15 in turn), so each block's dot product is as large as it
+        // gets (32 x 127 x 127 for Q8_0): the chains' float trick must hold there too.
+        let (n, k, m) = (32, 128, 9);
+        let x = Tensor::ones((m, k), candle_core::DType::F32, &Device::Cpu).unwrap();
+        for dtype in FORMATS {
+            for sign in [1f32, -1.0] {
+                let value = |i: usize| if dtype == GgmlDType::Q4_1 && i.is_multiple_of(2) { 0.0 } else { sign };
+                let w = Tensor::from_vec((0..n * k).map(value).collect(), (n, k), &Device::Cpu).unwrap();
+                let q = QTensor::quantize(&w, dtype).unwrap();
+                let want = scalar_model(&q, &flat(&x), n, k);
+                let got = flat(&VnniWeights::from_qtensor(&q).unwrap().forward(&x).unwrap());
+                let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(differ, 0, "{dtype:?}, sign {sign}: {differ} outputs differ");
             }
         }
     }
