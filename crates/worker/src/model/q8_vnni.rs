@@ -553,10 +553,22 @@ mod tests {
 
     const FORMATS: [GgmlDType; 2] = [GgmlDType::Q8_0, GgmlDType::Q4_1];
 
-    #[test]
-    fn every_output_is_the_scalar_sequence_bit_for_bit_whatever_the_number_of_rows() {
+    /// Whether this CPU runs the kernels; a test that cannot run says it skipped.
+    fn runs_here() -> bool {
         if !available() {
             eprintln!("skipped: no AVX-512 VNNI on this CPU");
+        }
+        available()
+    }
+
+    /// How many outputs differ from the wanted ones in any bit.
+    fn differing_bits(got: &[f32], want: &[f32]) -> usize {
+        got.iter().zip(want).filter(|(a, b)| a.to_bits() != b.to_bits()).count()
+    }
+
+    #[test]
+    fn every_output_is_the_scalar_sequence_bit_for_bit_whatever_the_number_of_rows() {
+        if !runs_here() {
             return;
         }
         // The default model's widths, an input that is no multiple of 256, and a partial tile.
@@ -569,7 +581,7 @@ mod tests {
                 let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
                 let want = scalar_model(&q, &flat(&x), n, k);
                 let got = flat(&ours.forward(&x).unwrap());
-                let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                let differ = differing_bits(&got, &want);
                 assert_eq!(differ, 0, "{dtype:?} {n}x{k}, {m} rows: {differ} of {} outputs differ", got.len());
             }
         }
@@ -577,8 +589,7 @@ mod tests {
 
     #[test]
     fn the_largest_dot_products_a_block_can_hold_stay_exact() {
-        if !available() {
-            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+        if !runs_here() {
             return;
         }
         // Every activation quant at 127 and every weight quant at the end of its range (Q8_0:
@@ -593,7 +604,7 @@ mod tests {
                 let q = QTensor::quantize(&w, dtype).unwrap();
                 let want = scalar_model(&q, &flat(&x), n, k);
                 let got = flat(&VnniWeights::from_qtensor(&q).unwrap().forward(&x).unwrap());
-                let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                let differ = differing_bits(&got, &want);
                 assert_eq!(differ, 0, "{dtype:?}, sign {sign}: {differ} outputs differ");
             }
         }
@@ -601,8 +612,7 @@ mod tests {
 
     #[test]
     fn a_rows_output_does_not_depend_on_the_rows_beside_it() {
-        if !available() {
-            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+        if !runs_here() {
             return;
         }
         let x = Tensor::randn(0f32, 1.0, (37, 576), &Device::Cpu).unwrap();
@@ -618,8 +628,7 @@ mod tests {
 
     #[test]
     fn the_result_is_the_product_with_the_dequantized_weights_within_activation_rounding() {
-        if !available() {
-            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+        if !runs_here() {
             return;
         }
         let (n, k, m) = (48, 256, 5);
