@@ -283,6 +283,7 @@ pub(super) fn attend(
         task.clear_scores(scores);
         task.score_blocks(
             &kv.k,
+            None::<&[bf16]>,
             scores,
             |keys, p, len, scores| tile.scores(0..m, keys, block_size, p, 0..len, scale, scores),
             |j, keys, p, slots, scores| tile.scores(j..j + 1, keys, block_size, p, slots, scale, scores),

@@ -632,8 +632,15 @@ unsafe fn weighted_tile_avx512<E: KvElement, const R: usize>(
     // by the caller's contract.
     unsafe {
         let mut acc: [[__m512; TILE / W]; R] = from_fn(|r| from_fn(|c| _mm512_loadu_ps(tiles[r].add(c * W))));
-        for &(off, rows) in runs {
+        for (k, &(off, rows)) in runs.iter().enumerate() {
+            // The next run's rows lie elsewhere in the pool (cold in a decode step, where the
+            // CPU's prefetcher starts over at each block): row `s` of it starts loading as row
+            // `s` of this one is weighed.
+            let (next, next_rows) = runs.get(k + 1).copied().unwrap_or((0, 0));
             for s in 0..rows {
+                if s < next_rows {
+                    prefetch_row::<E, true>(values.add(next + s * stride), TILE);
+                }
                 let v = values.add(off + s * stride);
                 let vs: [__m512; TILE / W] = from_fn(|c| E::load16(v.add(c * W), u16::MAX));
                 for r in 0..R {
@@ -951,10 +958,15 @@ fn attend<E: KvElement>(
     let step = Step::new(rows, token_pos, shape, block_size, &mut out);
     step.run(|i, Scratch { scores, span, .. }| {
         let task = step.task(i);
+        // The next task (most often this thread's next) starts loading what it reads first.
+        if i + 1 < step.tasks() {
+            step.peek(i + 1).prefetch_first_keys(&kv.k);
+        }
         let tile = QueryTile { q, first: task.first, q_row, hd, m: task.m, group, n_max: task.n_max };
         task.clear_scores(scores);
         task.score_blocks(
             &kv.k,
+            Some(&kv.v),
             scores,
             |keys, p, len, scores| tile.scores(keys, block_size, p, len, scale, scores),
             |j, keys, p, slots, scores| tile.query_scores(j, keys, block_size, p, slots, scale, scores),
@@ -980,7 +992,7 @@ fn attend<E: KvElement>(
             }
             // The next block's value rows of this KV head start loading while this one is used.
             if let Some(&(_, next, rows)) = value_runs.peek() {
-                (0..rows).for_each(|s| prefetch(&kv.v, next + s * kv_row, hd));
+                (0..rows).for_each(|s| prefetch::<_, true>(&kv.v, next + s * kv_row, hd));
             }
             for j in 0..task.m {
                 let (first, count) = task.part(j, p, len);
@@ -1031,28 +1043,40 @@ impl<'a> Step<'a> {
     /// Run `task(i, scratch)` for every task, the latest tiles (the most positions) first; small
     /// steps (decode) on this thread: waking the pool costs more than the work.
     fn run(&self, task: impl Fn(usize, &mut Scratch) + Sync) {
-        let Heads { n_head, n_kv_head, head_dim } = self.shape.heads;
+        let Heads { n_head, head_dim, .. } = self.shape.heads;
         let seen = |p: usize| {
             let (lo, hi) = self.shape.visible(p);
             hi - lo
         };
         let work: usize = self.token_pos.iter().map(|&(_, p)| seen(p)).sum::<usize>() * n_head * head_dim;
-        run_tasks(self.tiles.len() * n_kv_head, work >= PARALLEL_MIN_WORK, task);
+        run_tasks(self.tasks(), work >= PARALLEL_MIN_WORK, task);
     }
 
     /// Task `i`, its outputs zeroed.
     fn task(&self, i: usize) -> Task<'_> {
+        let task = self.peek(i);
+        let Heads { n_head, head_dim: hd, .. } = self.shape.heads;
+        for j in 0..task.m {
+            // SAFETY: the heads of the task's KV group of its token j are this task's alone (and
+            // contiguous); no slice of them lives yet.
+            unsafe { self.out.zero(task.first + j * n_head * hd, self.shape.heads.group() * hd) };
+        }
+        task
+    }
+
+    /// Task `i`, its outputs untouched (to look ahead at what it will read).
+    fn peek(&self, i: usize) -> Task<'_> {
         let Heads { n_head, n_kv_head, head_dim: hd } = self.shape.heads;
         let (r, t0, m) = self.tiles[self.tiles.len() - 1 - i / n_kv_head];
         let (g, group, q_row) = (i % n_kv_head, self.shape.heads.group(), n_head * hd);
         let first = t0 * q_row + g * group * hd;
-        for j in 0..m {
-            // SAFETY: the heads of KV group g of token t0 + j are this task's alone (and
-            // contiguous); no slice of them lives yet.
-            unsafe { self.out.zero(first + j * q_row, group * hd) };
-        }
         let p0 = self.token_pos[t0].1;
         Task { step: self, r, m, g, p0, n_max: p0 + m, first }
+    }
+
+    /// How many tasks the step runs: one per tile and KV head.
+    fn tasks(&self) -> usize {
+        self.tiles.len() * self.shape.heads.n_kv_head
     }
 }
 
@@ -1084,6 +1108,21 @@ impl Task<'_> {
         self.part(0, p, len) == (0, len) && self.part(self.m - 1, p, len) == (0, len)
     }
 
+    /// This KV head's keys (a `head_dim × block_size` matrix per KV head within a block) by block.
+    fn key_rows(&self) -> PagedRows<'_> {
+        let (hd, bs) = (self.step.shape.heads.head_dim, self.step.block_size);
+        PagedRows { head: self.g * hd * bs, ..self.value_rows() }
+    }
+
+    /// Start loading the first block of keys this task reads: it lies anywhere in the pool, cold
+    /// in a decode step, where a task (one sequence's KV head) reads only a few blocks and the
+    /// look-ahead within a task misses its first.
+    fn prefetch_first_keys<E>(&self, keys: &[E]) {
+        if let Some((_, off, _)) = self.key_rows().runs(self.n_max).next() {
+            prefetch::<_, true>(keys, off, self.step.shape.heads.head_dim * self.step.block_size);
+        }
+    }
+
     /// This KV head's value rows (`[slot][kv_head][head_dim]` within a block) by block.
     fn value_rows(&self) -> PagedRows<'_> {
         let Heads { n_kv_head, head_dim: hd, .. } = self.step.shape.heads;
@@ -1108,21 +1147,30 @@ impl Task<'_> {
     /// keys, each KV head's part of a block `head_dim × block_size` elements, whatever their
     /// order inside): `whole(keys, p, len, scores)` for a block run every query sees whole (its
     /// kernel runs for all of them at once), `part(j, keys, p, slots, scores)` for query `j`'s
-    /// part of the others.
-    fn score_blocks<E>(
+    /// part of the others. `values`, where they lie as [`Task::value_rows`] says, start loading
+    /// block by block as the keys are scored.
+    fn score_blocks<E, V>(
         &self,
         keys: &[E],
+        values: Option<&[V]>,
         scores: &mut [f32],
         whole: impl Fn(&[E], usize, usize, &mut [f32]),
         part: impl Fn(usize, &[E], usize, Range<usize>, &mut [f32]),
     ) {
         let (hd, bs) = (self.step.shape.heads.head_dim, self.step.block_size);
-        let key_blocks = PagedRows { head: self.g * hd * bs, ..self.value_rows() };
+        let (key_blocks, value_blocks) = (self.key_rows(), self.value_rows());
         let mut key_runs = key_blocks.runs(self.n_max).peekable();
+        let mut value_runs = value_blocks.runs(self.n_max);
         while let Some((p, off, len)) = key_runs.next() {
-            // The next block's keys, one contiguous matrix, start loading while this one is used.
+            // The next block's keys, one contiguous matrix, start loading while this one is used;
+            // this block's value rows start for L2, to be there when the weighing comes to them
+            // after the softmax (a value kernel that waits on memory for each block in turn took
+            // three times the key kernel's time in a decode step).
             if let Some(&(_, next, _)) = key_runs.peek() {
-                prefetch(keys, next, hd * bs);
+                prefetch::<_, true>(keys, next, hd * bs);
+            }
+            if let (Some(values), Some((_, off, rows))) = (values, value_runs.next()) {
+                (0..rows).for_each(|s| prefetch::<_, false>(values, off + s * value_blocks.stride, hd));
             }
             let block = &keys[off..off + hd * bs];
             if self.whole(p, len) {
@@ -1173,15 +1221,37 @@ fn query_tiles(rows: &[BatchRow<'_>], n_kv_head: usize, threads: usize) -> Vec<(
 /// Start loading `data[start..start + len]` into the cache: a hint, with no effect on any
 /// result. A block of another sequence's cache is cold (in a batched decode step, every block
 /// is), and the CPU's own prefetcher starts over at each block, which lies anywhere in the pool.
+/// `L1`: for use now (into the first-level cache), else for later (the second level, where
+/// a long history's blocks do not push out what is in use).
 #[inline]
-fn prefetch<E>(data: &[E], start: usize, len: usize) {
+fn prefetch<E, const L1: bool>(data: &[E], start: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    for at in (start..(start + len).min(data.len())).step_by(64 / size_of::<E>()) {
-        // SAFETY: a prefetch never faults or writes, and the address lies inside `data`.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(data.as_ptr().add(at).cast()) };
+    if start < data.len() {
+        // SAFETY: the elements lie inside `data`.
+        unsafe { prefetch_row::<E, L1>(data.as_ptr().add(start), len.min(data.len() - start)) };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (data, start, len);
+}
+
+/// Start loading the `len` elements at `row` into the cache, a line at a time: a hint, with no
+/// effect on any result.
+///
+/// SAFETY: `row .. row + len` lies inside one allocation (a prefetch never faults or writes, but
+/// the pointer arithmetic must stay in bounds).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_row<E, const L1: bool>(row: *const E, len: usize) {
+    use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+    for at in (0..len).step_by(64 / size_of::<E>()) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            match L1 {
+                true => _mm_prefetch::<_MM_HINT_T0>(row.add(at).cast()),
+                false => _mm_prefetch::<_MM_HINT_T1>(row.add(at).cast()),
+            }
+        };
+    }
 }
 
 /// What an attention task reuses from step to step on its thread.
