@@ -193,7 +193,8 @@ pub(super) fn adds_bos_by_default(content: &Content) -> Result<bool> {
 }
 
 /// Sets (or clears) the post-processor that adds BOS/EOS when `add_special_tokens` is true, so
-/// that our `encode` and a router loading [`Tokenizer::to_string`] agree on BOS.
+/// that our `encode` and a router loading the serialized tokenizer (`Tokenizer::to_string`)
+/// agree on BOS.
 pub(super) fn set_bos_eos_post_processor(
     tokenizer: &mut Tokenizer,
     bos: Option<(u32, String)>,

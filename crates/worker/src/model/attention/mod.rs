@@ -362,10 +362,10 @@ fn softmax(row: &mut [f32]) {
 const SUM_ROWS: usize = 8;
 
 /// Softmax of many rows in place: row `r` of `scores` (rows of `n` floats) holds its scores at
-/// `range(r)` and zeros around them. Each row gets the bits [`softmax`] gives it alone: its sum
-/// still runs in position order from its first position, but [`SUM_ROWS`] rows' sums run side
-/// by side instead of one long chain of dependent adds (the zeros around a shorter row add
-/// nothing: every term is at least zero).
+/// `range(r)` and zeros around them. Each row gets the bits `softmax` (the tests' reference)
+/// gives it alone: its sum still runs in position order from its first position, but
+/// [`SUM_ROWS`] rows' sums run side by side instead of one long chain of dependent adds (the
+/// zeros around a shorter row add nothing: every term is at least zero).
 fn softmax_rows(scores: &mut [f32], n: usize, range: impl Fn(usize) -> (usize, usize)) {
     let rows = scores.len() / n;
     for r in 0..rows {
