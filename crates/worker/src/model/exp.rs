@@ -189,13 +189,14 @@ pub(crate) fn exp_shifted(row: &mut [f32]) -> f32 {
     max
 }
 
-/// [`exp_shifted`]'s sixteens; returns how many values it did.
+/// [`exp_shifted`] sixteen values at a time, the last few through masked loads and stores (a
+/// row's tail had gone to `expf` one value at a time); returns how many values it did: all.
 ///
 /// SAFETY: the CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn exp_shifted_avx512(row: &mut [f32], max: f32) -> usize {
-    let (chunks, _) = row.as_chunks_mut::<16>();
+    let (chunks, tail) = row.as_chunks_mut::<16>();
     for c in chunks.iter_mut() {
         // SAFETY: sixteen floats in and out, unaligned.
         unsafe {
@@ -203,7 +204,16 @@ unsafe fn exp_shifted_avx512(row: &mut [f32], max: f32) -> usize {
             _mm512_storeu_ps(c.as_mut_ptr(), expf16_avx512(x));
         }
     }
-    chunks.len() * 16
+    if !tail.is_empty() {
+        let mask = (1u16 << tail.len()) - 1;
+        // SAFETY: the mask's lanes are the tail's floats; the others are neither read nor written
+        // (their lanes hold zeros, whose exponential is computed and dropped).
+        unsafe {
+            let x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, tail.as_ptr()), _mm512_set1_ps(max));
+            _mm512_mask_storeu_ps(tail.as_mut_ptr(), mask, expf16_avx512(x));
+        }
+    }
+    row.len()
 }
 
 /// The edges of `expf`'s fast path, of its zero and subnormal results, and its special cases: what

@@ -285,7 +285,12 @@ pub(super) fn attend(
             &kv.k,
             None::<&[bf16]>,
             scores,
-            |keys, p, len, scores| tile.scores(0..m, keys, block_size, p, 0..len, scale, scores),
+            |blocks, p, len, scores| {
+                for (i, keys) in blocks.iter().enumerate() {
+                    let slots = 0..(len - i * block_size).min(block_size);
+                    tile.scores(0..m, keys, block_size, p + i * block_size, slots, scale, scores);
+                }
+            },
             |j, keys, p, slots, scores| tile.scores(j..j + 1, keys, block_size, p, slots, scale, scores),
         );
         let weights = Weights::of_scores(&task, scores, weights, sums);

@@ -358,22 +358,25 @@ fn softmax(row: &mut [f32]) {
     row.iter_mut().for_each(|x| *x *= inv);
 }
 
-/// Rows whose sums [`softmax_rows`] runs side by side.
-const SUM_ROWS: usize = 8;
+/// Rows whose sums [`softmax_rows`] runs side by side: the lanes of one 16-wide register.
+const SUM_ROWS: usize = 16;
 
 /// Softmax of many rows in place: row `r` of `scores` (rows of `n` floats) holds its scores at
 /// `range(r)` and zeros around them. Each row gets the bits `softmax` (the tests' reference)
 /// gives it alone: its sum still runs in position order from its first position, but
-/// [`SUM_ROWS`] rows' sums run side by side instead of one long chain of dependent adds (the
-/// zeros around a shorter row add nothing: every term is at least zero).
+/// [`SUM_ROWS`] rows' sums run side by side (see [`sums_in_order`]) instead of one long chain of
+/// dependent adds (the zeros around a shorter row add nothing: every term is at least zero). A
+/// group's rows go through all three passes (exponential, sum, scaling) before the next group's
+/// start, while they are in L1: a tile's score rows (48 of up to a few thousand) lie in L2 at
+/// best, and each pass over all of them was a trip there and back.
 fn softmax_rows(scores: &mut [f32], n: usize, range: impl Fn(usize) -> (usize, usize)) {
     let rows = scores.len() / n;
-    for r in 0..rows {
-        let (lo, hi) = range(r);
-        exp_shifted(&mut scores[r * n + lo..r * n + hi]);
-    }
     for first in (0..rows).step_by(SUM_ROWS) {
         let group = first..rows.min(first + SUM_ROWS);
+        for r in group.clone() {
+            let (lo, hi) = range(r);
+            exp_shifted(&mut scores[r * n + lo..r * n + hi]);
+        }
         let lo = group.clone().map(|r| range(r).0).min().unwrap_or(0);
         let hi = group.clone().map(|r| range(r).1).max().unwrap_or(0);
         // Each of the group's rows over lo..hi; past the last row, the first again (its sum
@@ -382,18 +385,91 @@ fn softmax_rows(scores: &mut [f32], n: usize, range: impl Fn(usize) -> (usize, u
             let r = if first + i < group.end { first + i } else { first };
             &scores[r * n + lo..r * n + hi]
         });
-        let mut sums = [0f32; SUM_ROWS];
-        for p in 0..hi - lo {
-            for (sum, row) in sums.iter_mut().zip(&row) {
-                *sum += row[p];
-            }
-        }
+        let sums = sums_in_order(&row);
         for (i, r) in group.enumerate() {
             let (lo, hi) = range(r);
             let inv = 1.0 / sums[i];
             scores[r * n + lo..r * n + hi].iter_mut().for_each(|x| *x *= inv);
         }
     }
+}
+
+/// Each row's sum, its floats added one after another from zero (the rows of one length, at
+/// least zero each). On AVX-512, [`sums_avx512`]; the compiler's own vectors for this loop
+/// gathered eight rows' floats one by one into a register for every position.
+fn sums_in_order(rows: &[&[f32]; SUM_ROWS]) -> [f32; SUM_ROWS] {
+    let len = rows[0].len();
+    assert!(rows.iter().all(|r| r.len() == len), "rows of one length");
+    #[cfg(target_arch = "x86_64")]
+    if avx512() {
+        // SAFETY: AVX-512F is present (checked at run time); the rows are of one length.
+        return unsafe { sums_avx512(rows) };
+    }
+    let mut sums = [0f32; SUM_ROWS];
+    for p in 0..len {
+        for (sum, row) in sums.iter_mut().zip(rows) {
+            *sum += row[p];
+        }
+    }
+    sums
+}
+
+/// [`sums_in_order`] with a lane a row: sixteen floats of each row loaded, the 16 x 16 square
+/// transposed in registers, then each position's vector added to the sums in order (lanes past
+/// the rows' end load as zeros, which leave a sum unchanged).
+///
+/// SAFETY: the CPU has AVX-512F; the rows are of one length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sums_avx512(rows: &[&[f32]; SUM_ROWS]) -> [f32; SUM_ROWS] {
+    use std::arch::x86_64::*;
+    let len = rows[0].len();
+    let mut sums = _mm512_setzero_ps();
+    for c in (0..len).step_by(SLOT_LANES) {
+        let mask = (u32::MAX >> (32 - (len - c).min(SLOT_LANES))) as __mmask16;
+        // SAFETY: the mask's lanes lie inside each row (all of `len` floats).
+        let square = from_fn(|i| unsafe { _mm512_maskz_loadu_ps(mask, rows[i].as_ptr().add(c)) });
+        for position in transpose16(square) {
+            sums = _mm512_add_ps(sums, position);
+        }
+    }
+    let mut out = [0f32; SUM_ROWS];
+    // SAFETY: sixteen floats.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), sums) };
+    out
+}
+
+/// The 16 x 16 square `rows` (a register a row) transposed: register `p` holds every row's
+/// element `p`. Element pairs, then 64-bit pairs within each 128-bit lane, then the lanes across
+/// registers: 64 shuffles.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn transpose16(rows: [std::arch::x86_64::__m512; 16]) -> [std::arch::x86_64::__m512; 16] {
+    use std::arch::x86_64::*;
+    // Per 128-bit lane `k`: `pairs[2j]` holds rows 2j, 2j + 1 at elements 4k, 4k + 1 interleaved,
+    // `pairs[2j + 1]` at 4k + 2, 4k + 3.
+    let pairs: [__m512; 16] = from_fn(|i| {
+        let (x, y) = (rows[i & !1], rows[i | 1]);
+        if i % 2 == 0 { _mm512_unpacklo_ps(x, y) } else { _mm512_unpackhi_ps(x, y) }
+    });
+    // `quads[4q + c]`, lane `k`: element 4k + c of rows 4q..4q + 4.
+    let quads: [__m512; 16] = from_fn(|i| {
+        let (q, c) = (i / 4, i % 4);
+        let (x, y) = (_mm512_castps_pd(pairs[4 * q + c / 2]), _mm512_castps_pd(pairs[4 * q + 2 + c / 2]));
+        _mm512_castpd_ps(if c % 2 == 0 { _mm512_unpacklo_pd(x, y) } else { _mm512_unpackhi_pd(x, y) })
+    });
+    // Element 4k + c of all rows: lane k of quads[c], quads[4 + c], quads[8 + c], quads[12 + c].
+    let mut out = [_mm512_setzero_ps(); 16];
+    for c in 0..4 {
+        let q = |i: usize| quads[4 * i + c];
+        let (low01, high01) = (_mm512_shuffle_f32x4::<0x44>(q(0), q(1)), _mm512_shuffle_f32x4::<0xEE>(q(0), q(1)));
+        let (low23, high23) = (_mm512_shuffle_f32x4::<0x44>(q(2), q(3)), _mm512_shuffle_f32x4::<0xEE>(q(2), q(3)));
+        out[c] = _mm512_shuffle_f32x4::<0x88>(low01, low23);
+        out[4 + c] = _mm512_shuffle_f32x4::<0xDD>(low01, low23);
+        out[8 + c] = _mm512_shuffle_f32x4::<0x88>(high01, high23);
+        out[12 + c] = _mm512_shuffle_f32x4::<0xDD>(high01, high23);
+    }
+    out
 }
 
 /// One sequence's keys or values for one KV head, in position order: [`PagedRows::runs`] yields,
@@ -545,6 +621,67 @@ unsafe fn qk_block_avx512<E: KvElement, const R: usize>(
     }
 }
 
+/// [`qk_block_avx512`] for two whole registers of slots at once (two blocks' sixteen, the keys of
+/// each at `keys[i]`, `block_size` elements from one dimension to the next), writing 32 scores a
+/// row: each query element is broadcast once for both registers, so five loads feed six
+/// multiply-adds for three heads, where one register took four loads for three (the kernel waited
+/// on its loads). `dot`'s lane sums are taken two at a time in the order its fold adds them
+/// (lanes 0 and 4, then 1 and 5, ...), so only a pair's chains and the fold's partial sums are
+/// live; each chain and each add is the one `dot` makes, so its bits.
+///
+/// SAFETY: the CPU has AVX-512F, BW and VL; `hd` floats are readable at each `q[r]`, and
+/// `hd * block_size` elements at each `keys[i]` with `block_size >= 16`; 32 floats are writable
+/// at each `out[r]`, overlapping nothing else.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn qk_two_avx512<E: KvElement, const R: usize>(
+    q: [*const f32; R],
+    keys: [*const E; 2],
+    block_size: usize,
+    hd: usize,
+    scale: f32,
+    out: [*mut f32; R],
+) {
+    use std::arch::x86_64::*;
+    let whole = hd - hd % LANES;
+    // SAFETY: every load lies inside what the caller promises (dimension below `hd`, slots below
+    // 16), every store inside `out[r]`'s 32 floats.
+    unsafe {
+        let key = |i: usize, d: usize| E::load16(keys[i].add(d * block_size), !0);
+        // Lanes `l` and `l + 4` of `dot` for every head and both registers, each summed over its
+        // dimensions in order from zero, then added: the first adds of `fold`.
+        let pair = |l: usize| -> [[__m512; 2]; R] {
+            let (mut a, mut b) = ([[_mm512_setzero_ps(); 2]; R], [[_mm512_setzero_ps(); 2]; R]);
+            for d in (l..whole).step_by(LANES) {
+                for (d, acc) in [(d, &mut a), (d + LANES / 2, &mut b)] {
+                    let k = [key(0, d), key(1, d)];
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let x = _mm512_set1_ps(*q[r].add(d));
+                        acc[0] = _mm512_fmadd_ps(x, k[0], acc[0]);
+                        acc[1] = _mm512_fmadd_ps(x, k[1], acc[1]);
+                    }
+                }
+            }
+            from_fn(|r| from_fn(|i| _mm512_add_ps(a[r][i], b[r][i])))
+        };
+        let sum = |x: [[__m512; 2]; R], y: [[__m512; 2]; R]| -> [[__m512; 2]; R] {
+            from_fn(|r| from_fn(|i| _mm512_add_ps(x[r][i], y[r][i])))
+        };
+        // `fold`: ((0 + 4) + (1 + 5)) + ((2 + 6) + (3 + 7)).
+        let first = sum(pair(0), pair(1));
+        let second = sum(pair(2), pair(3));
+        for r in 0..R {
+            for i in 0..2 {
+                let mut score = _mm512_add_ps(first[r][i], second[r][i]);
+                for d in whole..hd {
+                    score = _mm512_fmadd_ps(_mm512_set1_ps(*q[r].add(d)), key(i, d), score);
+                }
+                _mm512_storeu_ps(out[r].add(i * SLOT_LANES), _mm512_mul_ps(score, _mm512_set1_ps(scale)));
+            }
+        }
+    }
+}
+
 /// `out[i] += weights[i][s] * V[s]` for `R` queries (heads sharing a KV head) and consecutive
 /// value rows `s`, the first at element `off`, added in row order: called block after block,
 /// each element is summed in position order from 0. Columns are taken [`TILE`] at a time, kept
@@ -677,11 +814,12 @@ struct QueryTile<'a> {
 }
 
 impl QueryTile<'_> {
-    /// Every query's scores against the block's `len` slots at positions `p..`: [`qk_block`]'s
-    /// bits (on AVX-512 its kernel, with the bounds checked once for the whole tile).
+    /// Every query's scores against a run of blocks every query sees whole (one, or two full
+    /// ones), `len` slots from position `p`: [`qk_block`]'s bits (on AVX-512 its kernels, two
+    /// blocks at once where there are two, with the bounds checked once for the whole tile).
     fn scores<E: KvElement>(
         &self,
-        keys: &[E],
+        blocks: &[&[E]],
         block_size: usize,
         p: usize,
         len: usize,
@@ -691,7 +829,12 @@ impl QueryTile<'_> {
         #[cfg(target_arch = "x86_64")]
         if avx512() {
             let (n_max, hd, group) = (self.n_max, self.hd, self.group);
-            assert!(len <= block_size && keys.len() >= hd * block_size, "slots inside the block's keys");
+            // Two full blocks of one register's slots each go to the two-register kernel, else
+            // block by block (a decode step's last block is most often part full).
+            let two = blocks.len() == 2 && block_size == SLOT_LANES && len == 2 * SLOT_LANES;
+            let slots = |i: usize| 0..(len - i * block_size).min(block_size);
+            assert!(!blocks.is_empty() && len <= block_size * blocks.len(), "slots inside the blocks");
+            assert!(blocks.iter().all(|b| b.len() >= hd * block_size), "each block's keys");
             assert!(p + len <= n_max && scores.len() >= self.m * group * n_max, "scores inside the rows");
             assert!(self.first + (self.m - 1) * self.q_row + group * hd <= self.q.len(), "queries inside q");
             let (q, s) = (self.q.as_ptr(), scores.as_mut_ptr());
@@ -699,26 +842,42 @@ impl QueryTile<'_> {
                 for (h, n) in head_runs(group) {
                     // SAFETY: AVX-512F, BW and VL are present (checked at run time); each q row
                     // and score row lies inside its buffer (asserted above), the score rows are
-                    // distinct.
+                    // distinct; with `two`, `len` is the kernel's 32 scores.
                     unsafe {
                         let qr = |i: usize| q.add(self.first + j * self.q_row + (h + i) * hd);
-                        let sr = |i: usize| s.add((j * group + h + i) * n_max + p);
-                        with_rows!(n, [3 2] 1, |R| qk_block_avx512::<_, R>(
-                            from_fn(qr),
-                            keys.as_ptr(),
-                            block_size,
-                            hd,
-                            0..len,
-                            scale,
-                            from_fn(sr)
-                        ))
+                        let sr = |i: usize, p: usize| s.add((j * group + h + i) * n_max + p);
+                        if two {
+                            with_rows!(n, [3 2] 1, |R| qk_two_avx512::<_, R>(
+                                from_fn(qr),
+                                [blocks[0].as_ptr(), blocks[1].as_ptr()],
+                                block_size,
+                                hd,
+                                scale,
+                                from_fn(|i| sr(i, p))
+                            ));
+                            continue;
+                        }
+                        for (b, keys) in blocks.iter().enumerate() {
+                            with_rows!(n, [3 2] 1, |R| qk_block_avx512::<_, R>(
+                                from_fn(qr),
+                                keys.as_ptr(),
+                                block_size,
+                                hd,
+                                slots(b),
+                                scale,
+                                from_fn(|i| sr(i, p + b * block_size))
+                            ))
+                        }
                     }
                 }
             }
             return;
         }
-        for j in 0..self.m {
-            self.query_scores(j, keys, block_size, p, 0..len, scale, scores);
+        for (b, keys) in blocks.iter().enumerate() {
+            let slots = 0..(len - b * block_size).min(block_size);
+            for j in 0..self.m {
+                self.query_scores(j, keys, block_size, p + b * block_size, slots.clone(), scale, scores);
+            }
         }
     }
 
@@ -968,7 +1127,7 @@ fn attend<E: KvElement>(
             &kv.k,
             Some(&kv.v),
             scores,
-            |keys, p, len, scores| tile.scores(keys, block_size, p, len, scale, scores),
+            |blocks, p, len, scores| tile.scores(blocks, block_size, p, len, scale, scores),
             |j, keys, p, slots, scores| tile.query_scores(j, keys, block_size, p, slots, scale, scores),
         );
         task.softmax(scores);
@@ -1145,42 +1304,53 @@ impl Task<'_> {
 
     /// Every query's scores against its visible keys, block by block from `keys` (the layer's
     /// keys, each KV head's part of a block `head_dim × block_size` elements, whatever their
-    /// order inside): `whole(keys, p, len, scores)` for a block run every query sees whole (its
-    /// kernel runs for all of them at once), `part(j, keys, p, slots, scores)` for query `j`'s
-    /// part of the others. `values`, where they lie as [`Task::value_rows`] says, start loading
-    /// block by block as the keys are scored.
+    /// order inside): `whole(blocks, p, len, scores)` for a run of blocks every query sees whole
+    /// (its kernel runs for all of them at once; two blocks where a full one is followed by
+    /// another every query sees whole, else one), `len` slots from position `p`;
+    /// `part(j, keys, p, slots, scores)` for query `j`'s part of the others. `values`, where they
+    /// lie as [`Task::value_rows`] says, start loading block by block as the keys are scored.
     fn score_blocks<E, V>(
         &self,
         keys: &[E],
         values: Option<&[V]>,
         scores: &mut [f32],
-        whole: impl Fn(&[E], usize, usize, &mut [f32]),
+        whole: impl Fn(&[&[E]], usize, usize, &mut [f32]),
         part: impl Fn(usize, &[E], usize, Range<usize>, &mut [f32]),
     ) {
         let (hd, bs) = (self.step.shape.heads.head_dim, self.step.block_size);
         let (key_blocks, value_blocks) = (self.key_rows(), self.value_rows());
         let mut key_runs = key_blocks.runs(self.n_max).peekable();
         let mut value_runs = value_blocks.runs(self.n_max);
-        while let Some((p, off, len)) = key_runs.next() {
-            // The next block's keys, one contiguous matrix, start loading while this one is used;
-            // this block's value rows start for L2, to be there when the weighing comes to them
-            // after the softmax (a value kernel that waits on memory for each block in turn took
-            // three times the key kernel's time in a decode step).
-            if let Some(&(_, next, _)) = key_runs.peek() {
+        let block = |off: usize| &keys[off..off + hd * bs];
+        // The next block's keys, one contiguous matrix, start loading while this one is used; this
+        // block's value rows start for L2, to be there when the weighing comes to them after the
+        // softmax (a value kernel that waits on memory for each block in turn took three times
+        // the key kernel's time in a decode step).
+        let load_ahead = |next_keys: Option<&(usize, usize, usize)>, values_now: Option<(usize, usize, usize)>| {
+            if let Some(&(_, next, _)) = next_keys {
                 prefetch::<_, true>(keys, next, hd * bs);
             }
-            if let (Some(values), Some((_, off, rows))) = (values, value_runs.next()) {
+            if let (Some(values), Some((_, off, rows))) = (values, values_now) {
                 (0..rows).for_each(|s| prefetch::<_, false>(values, off + s * value_blocks.stride, hd));
             }
-            let block = &keys[off..off + hd * bs];
+        };
+        while let Some((p, off, len)) = key_runs.next() {
+            load_ahead(key_runs.peek(), value_runs.next());
             if self.whole(p, len) {
-                whole(block, p, len, scores);
+                let pair = key_runs.next_if(|&(next, _, next_len)| len == bs && self.whole(next, next_len));
+                match pair {
+                    Some((_, next, next_len)) => {
+                        load_ahead(key_runs.peek(), value_runs.next());
+                        whole(&[block(off), block(next)], p, len + next_len, scores);
+                    }
+                    None => whole(&[block(off)], p, len, scores),
+                }
                 continue;
             }
             for j in 0..self.m {
                 let (first, count) = self.part(j, p, len);
                 if count > 0 {
-                    part(j, block, p, first..first + count, scores);
+                    part(j, block(off), p, first..first + count, scores);
                 }
             }
         }
@@ -1414,6 +1584,55 @@ mod tests {
     }
 
     #[test]
+    fn two_blocks_scored_at_once_give_each_slot_the_bits_of_dot() {
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            use crate::kv_cache::BlockId;
+            // Head sizes of whole eights and not (67: three dimensions after the fold), blocks of
+            // one register of slots and of more (the kernel reads the first sixteen of each).
+            for (hd, block_size) in [(64, 16), (72, 20), (67, 16)] {
+                let heads = Heads { n_head: 3, n_kv_head: 1, head_dim: hd };
+                let store = wave(4 * block_size * hd, 0.017);
+                let mut kv = LayerKv::new(4, block_size, heads);
+                for p in 0..4 * block_size {
+                    let (b, slot) = (BlockId::new((p / block_size) as u32), p % block_size);
+                    kv.write(b, slot, &store[p * hd..(p + 1) * hd], &store[p * hd..(p + 1) * hd]);
+                }
+                let Planes::F32(kv) = &kv.planes else { panic!("a single-precision cache") };
+                let queries = [wave(hd, 0.29), wave(hd, 0.47), wave(hd, 0.61)];
+                // Blocks 3 and 1, as a sequence's blocks lie anywhere in the pool.
+                let keys = [3, 1].map(|b| kv.k[b * hd * block_size..].as_ptr());
+                let expected = |q: &[f32], i: usize, s: usize| {
+                    let p = [3, 1][i] * block_size + s;
+                    (dot(q, &store[p * hd..(p + 1) * hd]) * 0.5).to_bits()
+                };
+                let mut out = [[0f32; 2 * SLOT_LANES]; 3];
+                let q = queries.each_ref().map(|q| q.as_ptr());
+                let o = out.each_mut().map(|o| o.as_mut_ptr());
+                // SAFETY: AVX-512 is present; each query holds `hd` floats, each block's keys
+                // `hd * block_size`, each output 32 floats.
+                unsafe {
+                    qk_two_avx512::<f32, 3>(q, keys, block_size, hd, 0.5, o);
+                }
+                let mut alone = [[0f32; 2 * SLOT_LANES]; 3];
+                for (q, o) in queries.iter().zip(&mut alone) {
+                    // SAFETY: as above, one query.
+                    unsafe { qk_two_avx512::<f32, 1>([q.as_ptr()], keys, block_size, hd, 0.5, [o.as_mut_ptr()]) };
+                }
+                for (r, q) in queries.iter().enumerate() {
+                    for i in 0..2 {
+                        for s in 0..SLOT_LANES {
+                            let at = i * SLOT_LANES + s;
+                            assert_eq!(out[r][at].to_bits(), expected(q, i, s), "head {r}, block {i}, slot {s}");
+                            assert_eq!(alone[r][at].to_bits(), out[r][at].to_bits(), "head {r} alone");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn heads_run_in_threes_and_pairs_and_never_leave_one_alone_beside_others() {
         let runs = |g: usize| head_runs(g).collect::<Vec<_>>();
         assert_eq!(runs(1), [(0, 1)]);
@@ -1639,13 +1858,13 @@ mod tests {
 
     #[test]
     fn rows_side_by_side_get_the_softmax_each_gets_alone() {
-        // 11 rows (a whole group of sums and a partial one) of different visible ranges, some
+        // 19 rows (a whole group of sums and a partial one) of different visible ranges, some
         // starting late (a window), one element long, and longer than a vector.
         let n = 45;
         let range = |r: usize| ((r * 3) % 7, (n - r * 2).max((r * 3) % 7 + 1));
-        let mut many = vec![0f32; 11 * n];
+        let mut many = vec![0f32; 19 * n];
         let mut alone = Vec::new();
-        for r in 0..11 {
+        for r in 0..19 {
             let (lo, hi) = range(r);
             let scores = wave(hi - lo, 0.41 + r as f32 * 0.13);
             many[r * n + lo..r * n + hi].copy_from_slice(&scores);
@@ -1658,6 +1877,28 @@ mod tests {
             let (lo, hi) = range(r);
             assert_eq!(bits(&many[r * n + lo..r * n + hi]), bits(row), "row {r}");
             assert!(many[r * n..r * n + lo].iter().chain(&many[r * n + hi..(r + 1) * n]).all(|&x| x == 0.0), "row {r}");
+        }
+    }
+
+    #[test]
+    fn a_square_transposed_in_registers_puts_each_rows_element_in_its_lane() {
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            use std::arch::x86_64::*;
+            let square: [[f32; 16]; 16] = from_fn(|r| from_fn(|p| (r * 16 + p) as f32));
+            // SAFETY: AVX-512F is present (checked above); sixteen floats each.
+            let out = unsafe {
+                transpose16(square.map(|row| _mm512_loadu_ps(row.as_ptr()))).map(|v| {
+                    let mut x = [0f32; 16];
+                    _mm512_storeu_ps(x.as_mut_ptr(), v);
+                    x
+                })
+            };
+            for (p, lanes) in out.iter().enumerate() {
+                for (r, &x) in lanes.iter().enumerate() {
+                    assert_eq!(x, square[r][p], "row {r}'s element {p}");
+                }
+            }
         }
     }
 
