@@ -20,7 +20,7 @@ use std::{array::from_fn, ops::Range};
 
 use half::{bf16, vec::HalfBitsVecExt};
 
-use super::{Attention, BatchRow, Heads, Scratch, Step, Task, head_runs};
+use super::{Attention, BatchRow, Heads, Scratch, Step, Task, head_runs, run_slots};
 use crate::kv_cache::BlockId;
 
 /// Columns [`weigh_runs`]' AVX-512 kernel keeps in registers for each row: four of sixteen.
@@ -286,9 +286,9 @@ pub(super) fn attend(
             None::<&[bf16]>,
             scores,
             |blocks, p, len, scores| {
-                for (i, keys) in blocks.iter().enumerate() {
-                    let slots = 0..(len - i * block_size).min(block_size);
-                    tile.scores(0..m, keys, block_size, p + i * block_size, slots, scale, scores);
+                for (b, keys) in blocks.iter().enumerate() {
+                    let slots = run_slots(len, block_size, b);
+                    tile.scores(0..m, keys, block_size, p + b * block_size, slots, scale, scores);
                 }
             },
             |j, keys, p, slots, scores| tile.scores(j..j + 1, keys, block_size, p, slots, scale, scores),

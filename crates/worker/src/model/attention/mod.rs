@@ -832,7 +832,6 @@ impl QueryTile<'_> {
             // Two full blocks of one register's slots each go to the two-register kernel, else
             // block by block (a decode step's last block is most often part full).
             let two = blocks.len() == 2 && block_size == SLOT_LANES && len == 2 * SLOT_LANES;
-            let slots = |i: usize| 0..(len - i * block_size).min(block_size);
             assert!(!blocks.is_empty() && len <= block_size * blocks.len(), "slots inside the blocks");
             assert!(blocks.iter().all(|b| b.len() >= hd * block_size), "each block's keys");
             assert!(p + len <= n_max && scores.len() >= self.m * group * n_max, "scores inside the rows");
@@ -863,7 +862,7 @@ impl QueryTile<'_> {
                                 keys.as_ptr(),
                                 block_size,
                                 hd,
-                                slots(b),
+                                run_slots(len, block_size, b),
                                 scale,
                                 from_fn(|i| sr(i, p + b * block_size))
                             ))
@@ -874,9 +873,16 @@ impl QueryTile<'_> {
             return;
         }
         for (b, keys) in blocks.iter().enumerate() {
-            let slots = 0..(len - b * block_size).min(block_size);
             for j in 0..self.m {
-                self.query_scores(j, keys, block_size, p + b * block_size, slots.clone(), scale, scores);
+                self.query_scores(
+                    j,
+                    keys,
+                    block_size,
+                    p + b * block_size,
+                    run_slots(len, block_size, b),
+                    scale,
+                    scores,
+                );
             }
         }
     }
@@ -1020,6 +1026,12 @@ fn head_runs(group: usize) -> impl Iterator<Item = (usize, usize)> {
         first += n;
         Some((first - n, n))
     })
+}
+
+/// The slots of block `b` of a run of consecutive blocks holding `len` slots in all (every block
+/// full but perhaps the last).
+fn run_slots(len: usize, block_size: usize, b: usize) -> Range<usize> {
+    0..(len - b * block_size).min(block_size)
 }
 
 /// `R` consecutive rows of `n` floats from `run`, each cut to `cols`.
@@ -1630,6 +1642,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_run_of_two_blocks_the_last_part_full_writes_only_its_own_slots() {
+        // A decode step's whole run: a full block, then one holding 5 positions, at the end of
+        // the score rows (`n_max` = 21). Whatever kernel takes the run, nothing past it changes.
+        let (hd, block_size, len) = (64, 16, 21);
+        let heads = Heads { n_head: 3, n_kv_head: 1, head_dim: hd };
+        let mut kv = LayerKv::new(2, block_size, heads);
+        let store = wave(2 * block_size * hd, 0.017);
+        for p in 0..len {
+            let (b, slot) = (crate::kv_cache::BlockId::new((p / block_size) as u32), p % block_size);
+            kv.write(b, slot, &store[p * hd..(p + 1) * hd], &store[p * hd..(p + 1) * hd]);
+        }
+        let Planes::F32(kv) = &kv.planes else { panic!("a single-precision cache") };
+        let q = wave(3 * hd, 0.29);
+        let tile = QueryTile { q: &q, first: 0, q_row: 3 * hd, hd, m: 1, group: 3, n_max: len };
+        let blocks = [&kv.k[..hd * block_size], &kv.k[hd * block_size..2 * hd * block_size]];
+        let mut scores = vec![f32::NAN; 3 * len + 2 * SLOT_LANES];
+        tile.scores(&blocks, block_size, 0, len, 0.5, &mut scores);
+        for (h, row) in scores[..3 * len].chunks(len).enumerate() {
+            for (p, s) in row.iter().enumerate() {
+                let want = dot(&q[h * hd..(h + 1) * hd], &store[p * hd..(p + 1) * hd]) * 0.5;
+                assert_eq!(s.to_bits(), want.to_bits(), "head {h}, position {p}");
+            }
+        }
+        assert!(scores[3 * len..].iter().all(|s| s.is_nan()), "nothing written past the rows");
     }
 
     #[test]
