@@ -152,9 +152,20 @@ fn expf8_avx2(x: [f32; 8]) -> [f32; 8] {
     }
 }
 
-/// The largest of `row` (negative infinity if empty): exact in any order, so in sixteen lanes, then
-/// across them.
+/// The largest of `row` (negative infinity if empty), not-a-number values passed over: exact in
+/// any order (but for the sign of a zero maximum, which no caller's result depends on), so on
+/// AVX-512 through [`max_avx512`], else in sixteen lanes, then across them.
 pub(crate) fn max(row: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present (checked at run time).
+        return unsafe { max_avx512(row) };
+    }
+    max_in_lanes(row)
+}
+
+/// [`max`] in sixteen lanes, then across them one at a time.
+fn max_in_lanes(row: &[f32]) -> f32 {
     let (chunks, rest) = row.as_chunks::<16>();
     let mut lanes = [f32::NEG_INFINITY; 16];
     for c in chunks {
@@ -163,6 +174,36 @@ pub(crate) fn max(row: &[f32]) -> f32 {
         }
     }
     lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
+/// [`max`] in four registers of sixteen lanes, the last few values through a masked load, and
+/// across the lanes in registers. Attention's rows are a few hundred values: the portable
+/// version's one-at-a-time fold of its lanes and its tail took longer than its vector loop, and
+/// was 3.4% of a cold prefill's samples on one thread (0.7% now).
+///
+/// SAFETY: the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn max_avx512(row: &[f32]) -> f32 {
+    // `_mm512_max_ps(x, m)` gives `m` where `x` is not a number, so those never enter a lane.
+    let low = _mm512_set1_ps(f32::NEG_INFINITY);
+    let (quads, rest) = row.as_chunks::<64>();
+    let mut m = [low; 4];
+    for q in quads {
+        for (i, m) in m.iter_mut().enumerate() {
+            // SAFETY: sixteen floats of the 64, unaligned.
+            *m = _mm512_max_ps(unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * i)) }, *m);
+        }
+    }
+    let (sixteens, tail) = rest.as_chunks::<16>();
+    for (i, c) in sixteens.iter().enumerate() {
+        // SAFETY: sixteen floats, unaligned.
+        m[i] = _mm512_max_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }, m[i]);
+    }
+    let mask = (1u32 << tail.len()) as u16 - 1;
+    // SAFETY: the mask's lanes are the tail's floats; the others are not read (they take `low`).
+    m[3] = _mm512_max_ps(unsafe { _mm512_mask_loadu_ps(low, mask, tail.as_ptr()) }, m[3]);
+    _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])))
 }
 
 /// `exp(x - max)` of every value, `max` the row's largest, which it returns: `expf`'s bits,
@@ -265,6 +306,31 @@ mod tests {
                 "{path}: exp({x}) = {e}, not {libm}"
             );
         }
+    }
+
+    #[test]
+    fn the_largest_value_is_found_at_every_length_and_not_a_number_is_passed_over() {
+        let value = |i: usize| match i % 23 {
+            5 => f32::NAN,
+            11 => f32::NEG_INFINITY,
+            _ => ((i * 7919) % 1013) as f32 - 700.0,
+        };
+        for len in 0..300usize {
+            for peak in [0, len / 2, len.saturating_sub(1)] {
+                let mut row: Vec<f32> = (0..len).map(value).collect();
+                if peak < len {
+                    row[peak] = 5_000.0 + len as f32;
+                }
+                let expected = row.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+                assert_eq!(max_in_lanes(&row), expected, "{len} values, the largest at {peak}");
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: AVX-512F is present (checked just above).
+                    assert_eq!(unsafe { max_avx512(&row) }, expected, "{len} values, the largest at {peak}");
+                }
+            }
+        }
+        assert_eq!(max(&[f32::NAN; 20]), f32::NEG_INFINITY);
     }
 
     #[test]
