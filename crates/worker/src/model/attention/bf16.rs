@@ -243,17 +243,26 @@ impl Plane {
     /// Store a position's keys and values (`[kv_head][head_dim]` each, head sizes even) in `slot`
     /// of `block` (of `bs` slots, even).
     pub(super) fn write(&mut self, bs: usize, block: BlockId, slot: usize, k: &[f32], v: &[f32]) {
+        let at = block.index() * bs * v.len()..(block.index() + 1) * bs * v.len();
+        Self::write_slot(&mut self.k[at.clone()], &mut self.v[at], bs, slot, k, v);
+    }
+
+    /// One position's keys and values into `slot` of one block's keys and values (`bs` slots).
+    pub(super) fn write_slot(keys: &mut [bf16], values: &mut [bf16], bs: usize, slot: usize, k: &[f32], v: &[f32]) {
         let row = v.len();
-        let base = block.index() * bs * row;
-        let values = &mut self.v[base + slot / 2 * 2 * row..][..2 * row];
+        let values = &mut values[slot / 2 * 2 * row..][..2 * row];
         for (e, &x) in v.iter().enumerate() {
             values[2 * e + slot % 2] = round(x);
         }
         // Dimension d of every head: the heads' matrices one after another, pair d / 2.
-        let keys = &mut self.k[base..][..bs * row];
         for (d, &x) in k.iter().enumerate() {
             keys[(d & !1) * bs + 2 * slot + d % 2] = round(x);
         }
+    }
+
+    /// The keys and the values, each `[block][bs × row]`.
+    pub(super) fn planes_mut(&mut self) -> (&mut [bf16], &mut [bf16]) {
+        (&mut self.k, &mut self.v)
     }
 }
 
