@@ -283,7 +283,7 @@ impl Fused {
                 let rows = v.len() / row;
                 let mut at = 0;
                 // Each part's rows on the pool where there are many (a prefill's copies on the
-                // calling thread alone were 1.3% of its time, the other threads waiting).
+                // calling thread alone were 0.7% of its samples, the other threads waiting).
                 let parts = self.widths.iter().map(|&w| {
                     let part = super::rows::map_rows(rows, w, |range, dst| {
                         for (r, dst) in range.zip(dst.chunks_exact_mut(w)) {
