@@ -279,21 +279,7 @@ impl Fused {
         {
             let (storage, layout) = y.storage_and_layout();
             if let (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
-                let (v, row) = (&v[start..end], self.widths.iter().sum::<usize>());
-                let rows = v.len() / row;
-                let mut at = 0;
-                // Each part's rows on the pool where there are many (a prefill's copies on the
-                // calling thread alone were 0.7% of its samples, the other threads waiting).
-                let parts = self.widths.iter().map(|&w| {
-                    let part = super::rows::map_rows(rows, w, |range, dst| {
-                        for (r, dst) in range.zip(dst.chunks_exact_mut(w)) {
-                            dst.copy_from_slice(&v[r * row + at..][..w]);
-                        }
-                    });
-                    at += w;
-                    part
-                });
-                return Ok(parts.collect());
+                return Ok(super::rows::split_columns(&v[start..end], &self.widths));
             }
         }
         self.split(y)?.iter().map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?)).collect()
