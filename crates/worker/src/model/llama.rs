@@ -25,7 +25,7 @@ use std::{fs::File, path::Path};
 
 use anyhow::{Context, Result, bail};
 use candle_core::{
-    CpuStorage, D, Device, Module, Storage, Tensor,
+    D, Device, Module, Tensor,
     quantized::{GgmlDType, QMatMul, QStorage, QTensor, gguf_file},
 };
 
@@ -35,7 +35,9 @@ use super::{
     device_attention::{DeviceKv, DeviceRope, StepPlan, paged_attention_on_device},
     q8_matmul::{self, Q8Weights},
     q8_vnni::{self, VnniWeights},
-    rms_norm, swiglu,
+    rms_norm,
+    rows::{RowFill, map_rows, on_host, split_columns},
+    swiglu,
 };
 
 /// Load-time choices.
@@ -235,6 +237,15 @@ impl Linear {
             Linear::Candle { mm, pad } => Ok(mm.forward(&x.pad_with_zeros(D::Minus1, 0, *pad)?)?),
         }
     }
+
+    /// The product with the `m` rows, `k` wide, that `fill` writes (a norm's or a gate's): our
+    /// VNNI kernel quantizes each as it is made; the others take them whole.
+    fn forward_rows(&self, m: usize, k: usize, fill: &RowFill<'_>) -> Result<Tensor> {
+        match self {
+            Linear::Vnni(w) => w.forward_rows(m, fill),
+            _ => self.forward(&Tensor::from_vec(map_rows(m, k, fill), (m, k), &Device::Cpu)?),
+        }
+    }
 }
 
 /// Whether candle 0.11's repacked Q8_0 matmul runs on this CPU (it needs VNNI; plain AVX2 falls
@@ -265,7 +276,20 @@ struct Fused {
 impl Fused {
     /// The outputs side by side, as the one matmul gives them.
     fn whole(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.mm.forward(x)?;
+        self.with_bias(self.mm.forward(x)?)
+    }
+
+    /// `whole` of `x`'s rows RMS-normed by `weight`: on the host the matmul takes each row as it
+    /// is normed (see `Linear::forward_rows`), the normed rows never written out.
+    fn whole_normed(&self, x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+        let k = weight.dims1()?;
+        match rms_norm::with_rows(x, weight, eps, |m, fill| self.with_bias(self.mm.forward_rows(m, k, fill)?))? {
+            Some(y) => Ok(y),
+            None => self.whole(&rms_norm::rms_norm(x, weight, eps)?),
+        }
+    }
+
+    fn with_bias(&self, y: Tensor) -> Result<Tensor> {
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -276,11 +300,8 @@ impl Fused {
     /// (where narrowing each out and copying it to a vector read everything twice), copied
     /// from a device's.
     fn host_parts(&self, y: Tensor) -> Result<Vec<Vec<f32>>> {
-        {
-            let (storage, layout) = y.storage_and_layout();
-            if let (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
-                return Ok(super::rows::split_columns(&v[start..end], &self.widths));
-            }
+        if let Some(parts) = on_host(&y, |v| split_columns(v, &self.widths)) {
+            return Ok(parts);
         }
         self.split(y)?.iter().map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?)).collect()
     }
@@ -604,8 +625,7 @@ impl Layer {
 
     fn attend(&self, x: &Tensor, rows: &[BatchRow<'_>], kv: LayerStore<'_>, step: &Step<'_>) -> Result<Tensor> {
         let (heads, eps) = (step.heads, step.eps);
-        let h = rms_norm::rms_norm(x, &self.attn_norm, eps)?;
-        let qkv = self.qkv.whole(&h)?;
+        let qkv = self.qkv.whole_normed(x, &self.attn_norm, eps)?;
         let shape = Attention { heads, scale: step.scale, window: self.window };
         // Global layers take the first rope table, sliding-window layers the second.
         let table = usize::from(self.window.is_some());
@@ -638,17 +658,22 @@ impl Layer {
     }
 
     fn mlp(&self, x: &Tensor, step: &Step<'_>) -> Result<Tensor> {
-        let h = rms_norm::rms_norm(x, &self.ffn_norm, step.eps)?;
-        let gu = self.gate_up.whole(&h)?;
-        let gated = match step.activation {
-            // One pass over the fused output, candle's bits (see `swiglu`).
-            Activation::Silu => swiglu::silu_gate(&gu, gu.dim(1)? / 2)?,
+        let gu = self.gate_up.whole_normed(x, &self.ffn_norm, step.eps)?;
+        let width = gu.dim(1)? / 2;
+        let d = match step.activation {
+            // One pass over the fused output, candle's bits (see `swiglu`), each row taken by the
+            // down projection as it is gated.
+            Activation::Silu => {
+                match swiglu::with_rows(&gu, width, |m, fill| self.down.forward_rows(m, width, fill))? {
+                    Some(d) => d,
+                    None => self.down.forward(&swiglu::silu_gate(&gu, width)?)?,
+                }
+            }
             Activation::GeluTanh => {
                 let gu = self.gate_up.split(gu)?;
-                (gu[0].gelu()? * &gu[1])?
+                self.down.forward(&(gu[0].gelu()? * &gu[1])?)?
             }
         };
-        let d = self.down.forward(&gated)?;
         match &self.post_norms {
             Some(n) => Ok(rms_norm::rms_norm(&d, &n.ffn, step.eps)?),
             None => Ok(d),

@@ -19,7 +19,7 @@ use std::borrow::Cow;
 
 use anyhow::{Result, bail, ensure};
 use candle_core::{
-    CpuStorage, Device, Storage, Tensor,
+    Device, Tensor,
     quantized::{GgmlDType, QTensor},
 };
 use half::f16;
@@ -96,12 +96,9 @@ impl Q8Weights {
         ensure!(k == self.k, "input of width {k} for weights of width {}", self.k);
         let m = outer.iter().product::<usize>();
         let mut out = vec![0f32; m * self.n];
-        let rows = {
-            let (storage, layout) = x.storage_and_layout();
-            match (&*storage, layout.contiguous_offsets()) {
-                (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => Q8Rows::quantize(&v[start..end]),
-                _ => Q8Rows::quantize(&x.flatten_all()?.to_vec1::<f32>()?),
-            }
+        let rows = match super::rows::on_host(x, Q8Rows::quantize) {
+            Some(rows) => rows,
+            None => Q8Rows::quantize(&x.flatten_all()?.to_vec1::<f32>()?),
         };
         self.matmul(&rows, m, &mut out);
         let mut shape = outer.to_vec();

@@ -32,10 +32,12 @@ use std::borrow::Cow;
 
 use anyhow::{Result, bail, ensure};
 use candle_core::{
-    CpuStorage, Device, Storage, Tensor,
+    Device, Tensor,
     quantized::{GgmlDType, QTensor},
 };
 use half::f16;
+
+use super::rows::{PARALLEL_MIN, RowFill, on_host};
 
 /// Values per quantization block.
 const BLOCK: usize = 32;
@@ -175,22 +177,33 @@ impl VnniWeights {
         let Some((&k, outer)) = dims.split_last() else { bail!("a matmul input needs a last dimension") };
         ensure!(k == self.k, "input of width {k} for weights of width {}", self.k);
         let m = outer.iter().product::<usize>();
-        let rows = {
-            let (storage, layout) = x.storage_and_layout();
-            match (&*storage, layout.contiguous_offsets()) {
-                (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => QuantRows::quantize(&v[start..end], k),
-                _ => QuantRows::quantize(&x.flatten_all()?.to_vec1::<f32>()?, k),
-            }
+        let rows = match on_host(x, |v| QuantRows::quantize(Source::Rows(v), m, k)) {
+            Some(rows) => rows,
+            None => QuantRows::quantize(Source::Rows(&x.flatten_all()?.to_vec1::<f32>()?), m, k),
         };
+        let mut shape = outer.to_vec();
+        shape.push(self.n);
+        Ok(Tensor::from_vec(self.product(&rows), shape, &Device::Cpu)?)
+    }
+
+    /// `x · selfᵀ` for the `m` rows of width `k` that `fill` writes (a norm's or a gate's): shape
+    /// `(m, n)`. Each row is quantized as it is made, a few at a time in a buffer the cache holds,
+    /// so the rows are never written out whole and read back (the same bits as `forward` of them).
+    pub fn forward_rows(&self, m: usize, fill: &RowFill<'_>) -> Result<Tensor> {
+        let rows = QuantRows::quantize(Source::Made(fill), m, self.k);
+        Ok(Tensor::from_vec(self.product(&rows), (m, self.n), &Device::Cpu)?)
+    }
+
+    /// The `rows.rows × n` outputs.
+    fn product(&self, rows: &QuantRows) -> Vec<f32> {
+        let m = rows.rows;
         // No zero fill: the matmul writes every output (a memset of the whole result was 1-2% of
         // a step, on the calling thread while the others waited).
         let mut out = Vec::with_capacity(m * self.n);
-        self.matmul(&rows, m, out.as_mut_ptr());
+        self.matmul(rows, m, out.as_mut_ptr());
         // SAFETY: every (row, column) below (m, n) was written by exactly one work item.
         unsafe { out.set_len(m * self.n) };
-        let mut shape = outer.to_vec();
-        shape.push(self.n);
-        Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
+        out
     }
 
     /// Work items: (column tile, up to [`ITEM_PASSES`] passes of up to eight rows), tile-major, so
@@ -274,49 +287,95 @@ struct PassRef<'a> {
     scaled_sums: &'a [f32],
 }
 
+/// Where the rows to quantize come from.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// Memory holding them all, row after row.
+    Rows(&'a [f32]),
+    /// A function that makes any of them (see `forward_rows`).
+    Made(&'a RowFill<'a>),
+}
+
+/// The addresses of a [`QuantRows`]' four buffers (capacity for every block, not yet written),
+/// for the threads that fill them.
+#[derive(Clone, Copy)]
+struct Slots {
+    quants: usize,
+    scales: usize,
+    offsets: usize,
+    scaled_sums: usize,
+    blocks: usize,
+    rows: usize,
+}
+
+impl Slots {
+    /// Rows `first..` (as many as `src` holds, whole rows) quantized into their slots.
+    ///
+    /// # Safety
+    /// No other thread fills these rows; the buffers have room for `blocks × rows` blocks; the
+    /// CPU has AVX-512F (checked before any `VnniWeights` was made).
+    unsafe fn fill(&self, first: usize, src: &[f32]) {
+        let (quants, scales, offsets, scaled) = (
+            self.quants as *mut [i8; BLOCK],
+            self.scales as *mut f32,
+            self.offsets as *mut i32,
+            self.scaled_sums as *mut f32,
+        );
+        for (i, x) in src.as_chunks::<BLOCK>().0.iter().enumerate() {
+            let (row, block) = (first + i / self.blocks, i % self.blocks);
+            let j = QuantRows::slot(self.blocks, self.rows, row, block);
+            // SAFETY: `slot` maps distinct blocks to distinct places below the capacity, and
+            // these rows are this call's alone (the caller's promise).
+            unsafe {
+                let (scale, sum, scaled_sum) = quantize_block(x, quants.add(j));
+                (*scales.add(j), *offsets.add(j), *scaled.add(j)) = (scale, MAGIC_BITS - 128 * sum, scaled_sum);
+            }
+        }
+    }
+}
+
 impl QuantRows {
-    /// Rows of `k` values (a whole number of blocks) to Q8_0, block by block; many rows are split
-    /// across candle's pool.
-    fn quantize(xs: &[f32], k: usize) -> QuantRows {
-        let count = xs.len() / BLOCK;
+    /// `m` rows of `k` values (a whole number of blocks) to Q8_0, block by block; many rows are
+    /// split across candle's pool.
+    fn quantize(source: Source<'_>, m: usize, k: usize) -> QuantRows {
+        let count = m * k / BLOCK;
         // Not zeroed: the blocks below fill every element (zeroing them first was 0.4% of a cold
         // prefill's samples, on the calling thread while the others waited).
         let mut rows = QuantRows {
             blocks: k / BLOCK,
-            rows: xs.len() / k,
+            rows: m,
             quants: Vec::with_capacity(count),
             scales: Vec::with_capacity(count),
             offsets: Vec::with_capacity(count),
             scaled_sums: Vec::with_capacity(count),
         };
-        let at = (
-            rows.quants.as_mut_ptr() as usize,
-            rows.scales.as_mut_ptr() as usize,
-            rows.offsets.as_mut_ptr() as usize,
-            rows.scaled_sums.as_mut_ptr() as usize,
-        );
-        let (nb, m) = (rows.blocks, rows.rows);
-        let work = |blocks: std::ops::Range<usize>| {
-            let (quants, scales, offsets, scaled) =
-                (at.0 as *mut [i8; BLOCK], at.1 as *mut f32, at.2 as *mut i32, at.3 as *mut f32);
-            for i in blocks {
-                let x: &[f32; BLOCK] = xs[i * BLOCK..(i + 1) * BLOCK].try_into().expect("one block");
-                let j = Self::slot(nb, m, i / nb, i % nb);
-                // SAFETY: source block `i` belongs to this range alone, and `slot` maps distinct
-                // blocks to distinct places below `count`; AVX-512F was checked before any
-                // `VnniWeights` was made.
-                unsafe {
-                    let (scale, sum, scaled_sum) = quantize_block(x, quants.add(j));
-                    (*scales.add(j), *offsets.add(j), *scaled.add(j)) = (scale, MAGIC_BITS - 128 * sum, scaled_sum);
+        let slots = Slots {
+            quants: rows.quants.as_mut_ptr() as usize,
+            scales: rows.scales.as_mut_ptr() as usize,
+            offsets: rows.offsets.as_mut_ptr() as usize,
+            scaled_sums: rows.scaled_sums.as_mut_ptr() as usize,
+            blocks: k / BLOCK,
+            rows: m,
+        };
+        let work = |range: std::ops::Range<usize>| match source {
+            // SAFETY (both arms): rows `range` belong to this call alone (see `Slots::fill`).
+            Source::Rows(xs) => unsafe { slots.fill(range.start, &xs[range.start * k..range.end * k]) },
+            Source::Made(fill) => {
+                let mut made = vec![0f32; MAX_ROWS.min(range.len()) * k];
+                for first in range.clone().step_by(MAX_ROWS) {
+                    let these = first..range.end.min(first + MAX_ROWS);
+                    let made = &mut made[..these.len() * k];
+                    fill(these, made);
+                    unsafe { slots.fill(first, made) };
                 }
             }
         };
         // A decode step's few rows stay on this thread: waking the pool would cost more than the
-        // work (the threshold is a round guess, not tuned).
-        if count < 2048 {
-            work(0..count)
+        // work.
+        if m * k < PARALLEL_MIN {
+            work(0..m)
         } else {
-            candle_core::utils::barrier_pool().execute_chunked(count, work)
+            candle_core::utils::barrier_pool().execute_chunked(m, work)
         }
         // SAFETY: `slot` maps the `count` blocks one to one onto `0..count`, and each block's
         // quants, scale, offset and scaled sum were written above.
@@ -616,6 +675,29 @@ mod tests {
                 let got = flat(&VnniWeights::from_qtensor(&q).unwrap().forward(&x).unwrap());
                 let differ = differing_bits(&got, &want);
                 assert_eq!(differ, 0, "{dtype:?}, sign {sign}: {differ} outputs differ");
+            }
+        }
+    }
+
+    #[test]
+    fn rows_quantized_as_they_are_made_give_the_bits_of_the_same_rows_in_memory() {
+        if !runs_here() {
+            return;
+        }
+        // Row counts off a pass of eight, on this thread and (300 x 576 values) across the pool.
+        for m in [1, 13, 300] {
+            let x: Vec<f32> =
+                Tensor::randn(0f32, 1.0, (m, 576), &Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let made = |range: std::ops::Range<usize>, out: &mut [f32]| {
+                assert_eq!(out.len(), range.len() * 576, "a buffer as long as the rows asked for");
+                out.copy_from_slice(&x[range.start * 576..range.end * 576]);
+            };
+            for dtype in FORMATS {
+                let ours = VnniWeights::from_qtensor(&weights(40, 576, dtype)).unwrap();
+                let whole = ours.forward(&Tensor::from_slice(&x, (m, 576), &Device::Cpu).unwrap()).unwrap();
+                let as_made = ours.forward_rows(m, &made).unwrap();
+                let bits = |t: &Tensor| flat(t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&as_made), bits(&whole), "{dtype:?}, {m} rows");
             }
         }
     }

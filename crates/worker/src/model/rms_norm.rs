@@ -12,7 +12,9 @@
 use std::array::from_fn;
 
 use anyhow::{Result, ensure};
-use candle_core::{CpuStorage, Device, Storage, Tensor};
+use candle_core::{Device, Tensor};
+
+use super::rows::{RowFill, map_rows, on_host};
 
 /// Rows whose sums of squares run side by side.
 const SIDE_BY_SIDE: usize = 8;
@@ -20,37 +22,53 @@ const SIDE_BY_SIDE: usize = 8;
 /// RMS norm over the last dimension of `x`, scaled by `weight` (as wide as that dimension).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     let n = weight.dims1()?;
-    ensure!(x.dim(candle_core::D::Minus1)? == n, "rows of {} for a norm of {n}", x.dim(candle_core::D::Minus1)?);
-    let out = {
-        let (xs, x_layout) = x.storage_and_layout();
-        let (ws, w_layout) = weight.storage_and_layout();
-        match (&*xs, x_layout.contiguous_offsets(), &*ws, w_layout.contiguous_offsets()) {
-            (Storage::Cpu(CpuStorage::F32(xv)), Some((x0, x1)), Storage::Cpu(CpuStorage::F32(wv)), Some((w0, w1))) => {
-                Some(rows(&xv[x0..x1], &wv[w0..w1], eps))
-            }
-            _ => None,
-        }
-    };
-    match out {
-        Some(out) => Ok(Tensor::from_vec(out, x.shape(), &Device::Cpu)?),
+    let normed = with_rows(x, weight, eps, |rows, fill| {
+        Ok(Tensor::from_vec(map_rows(rows, n, fill), x.shape(), &Device::Cpu)?)
+    })?;
+    match normed {
+        Some(out) => Ok(out),
         None => Ok(candle_nn::ops::rms_norm(x, weight, eps)?),
     }
+}
+
+/// `consume(rows, fill)`, where `fill` writes any of `x`'s rows normed, for whoever takes them
+/// next (a buffer, or a matmul's quantization as they are made): host f32 tensors only, else
+/// `None` (the caller takes candle's op).
+pub fn with_rows<T>(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f32,
+    consume: impl FnOnce(usize, &RowFill<'_>) -> Result<T>,
+) -> Result<Option<T>> {
+    let n = weight.dims1()?;
+    ensure!(x.dim(candle_core::D::Minus1)? == n, "rows of {} for a norm of {n}", x.dim(candle_core::D::Minus1)?);
+    let done = on_host(weight, |w| {
+        on_host(x, |x| {
+            consume(x.len() / n, &|range: std::ops::Range<usize>, dst: &mut [f32]| {
+                norm_rows(&x[range.start * n..range.end * n], w, eps, dst)
+            })
+        })
+    });
+    done.flatten().transpose()
 }
 
 /// Every row of `x` (rows as wide as `weight`: a hidden state's, or a head's), normed.
 pub fn rows(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let n = weight.len();
-    super::rows::map_rows(x.len() / n, n, |range, dst| {
-        let src = &x[range.start * n..range.end * n];
-        let group = SIDE_BY_SIDE * n;
-        let whole = src.len() / group * group;
-        for (s, d) in src[..whole].chunks_exact(group).zip(dst.chunks_exact_mut(group)) {
-            scale_rows(s, weight, sums_of_squares::<SIDE_BY_SIDE>(s, n), eps, d);
-        }
-        for (s, d) in src[whole..].chunks_exact(n).zip(dst[whole..].chunks_exact_mut(n)) {
-            scale_rows(s, weight, sums_of_squares::<1>(s, n), eps, d);
-        }
-    })
+    map_rows(x.len() / n, n, |range, dst| norm_rows(&x[range.start * n..range.end * n], weight, eps, dst))
+}
+
+/// The rows of `src` normed into `dst`, eight rows' sums side by side.
+fn norm_rows(src: &[f32], weight: &[f32], eps: f32, dst: &mut [f32]) {
+    let n = weight.len();
+    let group = SIDE_BY_SIDE * n;
+    let whole = src.len() / group * group;
+    for (s, d) in src[..whole].chunks_exact(group).zip(dst.chunks_exact_mut(group)) {
+        scale_rows(s, weight, sums_of_squares::<SIDE_BY_SIDE>(s, n), eps, d);
+    }
+    for (s, d) in src[whole..].chunks_exact(n).zip(dst[whole..].chunks_exact_mut(n)) {
+        scale_rows(s, weight, sums_of_squares::<1>(s, n), eps, d);
+    }
 }
 
 /// Each of `R` rows' sum of squares, element by element from the first (candle's order), the

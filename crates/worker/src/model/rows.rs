@@ -7,9 +7,26 @@
 
 use std::ops::Range;
 
+use candle_core::{CpuStorage, Storage, Tensor};
+
 /// Outputs below which the work runs on the calling thread: waking the pool would cost more
 /// (candle's own threshold for its element-wise ops).
-const PARALLEL_MIN: usize = 64 * 1024;
+pub(crate) const PARALLEL_MIN: usize = 64 * 1024;
+
+/// Writes rows `range` of some row-wise result into `out` (`range.len()` rows, every element
+/// written), from those rows' inputs alone: a norm's or a gate's, handed to whoever stores the
+/// rows (`map_rows`) or consumes them as they are made (the int8 matmul's quantization).
+pub type RowFill<'a> = dyn Fn(Range<usize>, &mut [f32]) + Sync + 'a;
+
+/// `f` of a tensor's values, where it is a contiguous f32 tensor in host memory (else `None`: a
+/// device's, or another type, for candle's ops to take).
+pub fn on_host<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Option<T> {
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => Some(f(&v[start..end])),
+        _ => None,
+    }
+}
 
 /// A new `rows × width` buffer whose rows `f(range, out)` fills, `out` being rows `range` of it:
 /// on the calling thread for little work, else split across candle's pool. Each call zeroes its

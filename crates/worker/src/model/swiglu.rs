@@ -10,22 +10,18 @@
 //! scalar formula's bits over every 61st float, and an ignored one over all of them.
 
 use anyhow::{Result, ensure};
-use candle_core::{CpuStorage, Device, Storage, Tensor};
+use candle_core::{Device, Tensor};
+
+use super::rows::{RowFill, map_rows};
 
 /// `silu(y[.., ..width]) * y[.., width..]` for `y` of shape `(rows, 2 * width)`: shape
 /// `(rows, width)`. Host tensors of f32 take the one pass; any other (a device's) takes candle's ops.
 pub fn silu_gate(y: &Tensor, width: usize) -> Result<Tensor> {
-    let (rows, both) = y.dims2()?;
-    ensure!(both == 2 * width, "a gate and an up of {width} each, not {both} columns");
-    let out = {
-        let (storage, layout) = y.storage_and_layout();
-        match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) => Some(gate(&v[start..end], width)),
-            _ => None,
-        }
-    };
-    match out {
-        Some(out) => Ok(Tensor::from_vec(out, (rows, width), &Device::Cpu)?),
+    let rows = y.dim(0)?;
+    let gated =
+        with_rows(y, width, |_, fill| Ok(Tensor::from_vec(map_rows(rows, width, fill), (rows, width), &Device::Cpu)?))?;
+    match gated {
+        Some(out) => Ok(out),
         None => {
             let (g, u) = (y.narrow(1, 0, width)?.contiguous()?, y.narrow(1, width, width)?.contiguous()?);
             Ok((candle_nn::ops::silu(&g)? * u)?)
@@ -33,15 +29,26 @@ pub fn silu_gate(y: &Tensor, width: usize) -> Result<Tensor> {
     }
 }
 
-/// The gated values of rows of `[gate | up]`, many rows split across candle's pool.
-fn gate(y: &[f32], width: usize) -> Vec<f32> {
-    super::rows::map_rows(y.len() / (2 * width), width, |range, dst| {
-        let src = &y[range.start * 2 * width..range.end * 2 * width];
-        for (o, row) in dst.chunks_exact_mut(width).zip(src.chunks_exact(2 * width)) {
-            let (g, u) = row.split_at(width);
-            gate_row(g, u, o);
-        }
+/// `consume(rows, fill)`, where `fill` writes any of the gated rows of `y` (`(rows, 2 * width)`),
+/// for whoever takes them next (a buffer, or a matmul's quantization as they are made): a host
+/// f32 tensor only, else `None` (the caller takes candle's ops).
+pub fn with_rows<T>(
+    y: &Tensor,
+    width: usize,
+    consume: impl FnOnce(usize, &RowFill<'_>) -> Result<T>,
+) -> Result<Option<T>> {
+    let (rows, both) = y.dims2()?;
+    ensure!(both == 2 * width, "a gate and an up of {width} each, not {both} columns");
+    super::rows::on_host(y, |y| {
+        consume(rows, &|range: std::ops::Range<usize>, dst: &mut [f32]| {
+            let src = &y[range.start * 2 * width..range.end * 2 * width];
+            for (o, row) in dst.chunks_exact_mut(width).zip(src.chunks_exact(2 * width)) {
+                let (g, u) = row.split_at(width);
+                gate_row(g, u, o);
+            }
+        })
     })
+    .transpose()
 }
 
 /// `o = g / (1 + exp(-g)) * u`, element by element.
