@@ -242,7 +242,7 @@ impl Linear {
     /// VNNI kernel quantizes each as it is made; the others take them whole.
     fn forward_rows(&self, m: usize, k: usize, fill: &RowFill<'_>) -> Result<Tensor> {
         match self {
-            Linear::Vnni(w) => w.forward_rows(m, fill),
+            Linear::Vnni(w) => w.forward_rows(m, k, fill),
             _ => self.forward(&Tensor::from_vec(map_rows(m, k, fill), (m, k), &Device::Cpu)?),
         }
     }

@@ -189,8 +189,9 @@ impl VnniWeights {
     /// `x · selfᵀ` for the `m` rows of width `k` that `fill` writes (a norm's or a gate's): shape
     /// `(m, n)`. Each row is quantized as it is made, a few at a time in a buffer the cache holds,
     /// so the rows are never written out whole and read back (the same bits as `forward` of them).
-    pub fn forward_rows(&self, m: usize, fill: &RowFill<'_>) -> Result<Tensor> {
-        let rows = QuantRows::quantize(Source::Made(fill), m, self.k);
+    pub fn forward_rows(&self, m: usize, k: usize, fill: &RowFill<'_>) -> Result<Tensor> {
+        ensure!(k == self.k, "rows of width {k} for weights of width {}", self.k);
+        let rows = QuantRows::quantize(Source::Made(fill), m, k);
         Ok(Tensor::from_vec(self.product(&rows), (m, self.n), &Device::Cpu)?)
     }
 
@@ -695,7 +696,7 @@ mod tests {
             for dtype in FORMATS {
                 let ours = VnniWeights::from_qtensor(&weights(40, 576, dtype)).unwrap();
                 let whole = ours.forward(&Tensor::from_slice(&x, (m, 576), &Device::Cpu).unwrap()).unwrap();
-                let as_made = ours.forward_rows(m, &made).unwrap();
+                let as_made = ours.forward_rows(m, 576, &made).unwrap();
                 let bits = |t: &Tensor| flat(t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&as_made), bits(&whole), "{dtype:?}, {m} rows");
             }

@@ -17,9 +17,9 @@ use super::rows::{RowFill, map_rows};
 /// `silu(y[.., ..width]) * y[.., width..]` for `y` of shape `(rows, 2 * width)`: shape
 /// `(rows, width)`. Host tensors of f32 take the one pass; any other (a device's) takes candle's ops.
 pub fn silu_gate(y: &Tensor, width: usize) -> Result<Tensor> {
-    let rows = y.dim(0)?;
-    let gated =
-        with_rows(y, width, |_, fill| Ok(Tensor::from_vec(map_rows(rows, width, fill), (rows, width), &Device::Cpu)?))?;
+    let gated = with_rows(y, width, |rows, fill| {
+        Ok(Tensor::from_vec(map_rows(rows, width, fill), (rows, width), &Device::Cpu)?)
+    })?;
     match gated {
         Some(out) => Ok(out),
         None => {
