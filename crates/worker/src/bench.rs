@@ -575,24 +575,20 @@ fn bench_itl(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     Ok(Value::Object(out))
 }
 
-/// Our Q8_0 matmuls against candle's, on the default model's shapes (random weights): microseconds
+/// Our int8 matmuls against candle's, on the default model's shapes (random weights): microseconds
 /// per call and GMAC/s for 1 to 256 rows. candle's is timed as the engine would run it without
 /// ours: where the CPU has VNNI, the input zero-padded to a multiple of 256 for its repacked
-/// kernels. Ours: the AVX2 kernel (bit-identical to candle's generic one) and, with AVX-512 VNNI,
-/// the tiled ones, on the same matrix as Q8_0 and as Q4_1.
+/// kernels. Ours (on the kernels `int8_kernels` names): the same matrix as Q8_0 and as Q4_1.
 fn bench_matmul() -> Result<Value> {
     use candle_core::{
         D, Device, Module, Tensor,
         quantized::{GgmlDType, QMatMul, QTensor},
     };
 
-    use crate::model::{
-        q8_matmul::{self, Q8Weights},
-        q8_vnni::{self, VnniWeights},
+    use crate::model::int8_matmul::{self, Int8Weights};
+    let Some(kernels) = int8_matmul::kernels() else {
+        return Ok(json!("neither AVX-512 VNNI nor AVX2: our kernels do not run here"));
     };
-    if !q8_matmul::available() {
-        return Ok(json!("no AVX2+FMA: our kernels do not run here"));
-    }
     let time = |f: &dyn Fn() -> Result<()>, iters: usize| -> Result<f64> {
         for _ in 0..3 {
             f()?;
@@ -603,42 +599,30 @@ fn bench_matmul() -> Result<Value> {
         }
         Ok(start.elapsed().as_secs_f64() / iters as f64)
     };
-    let vnni = q8_vnni::available();
+    let repacked = crate::model::llama::cpu_has_repacked_q8_0();
     let mut rows = Vec::new();
     // Fused Q/K/V, fused gate/up, down, and the tied LM head.
     for (n, k) in [(960, 576), (3072, 576), (576, 1536), (49152, 576)] {
         let f = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
-        let w = QTensor::quantize(&f, GgmlDType::Q8_0)?;
-        let avx2 = Q8Weights::from_qtensor(&w)?;
-        let tiled = if vnni { Some(VnniWeights::from_qtensor(&w)?) } else { None };
-        let tiled_q4_1 =
-            if vnni { Some(VnniWeights::from_qtensor(&QTensor::quantize(&f, GgmlDType::Q4_1)?)?) } else { None };
-        let pad = if vnni { k.next_multiple_of(256) - k } else { 0 };
+        let q8_0 = Int8Weights::from_qtensor(&QTensor::quantize(&f, GgmlDType::Q8_0)?)?;
+        let q4_1 = Int8Weights::from_qtensor(&QTensor::quantize(&f, GgmlDType::Q4_1)?)?;
+        let pad = if repacked { k.next_multiple_of(256) - k } else { 0 };
         let candle = QMatMul::from_qtensor(QTensor::quantize(&f.pad_with_zeros(D::Minus1, 0, pad)?, GgmlDType::Q8_0)?)?;
         for m in [1usize, 4, 16, 64, 256] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
             let iters = (200_000_000 / (m * k * n)).clamp(3, 2000);
             let theirs =
                 time(&|| candle.forward(&x.pad_with_zeros(D::Minus1, 0, pad)?).map(drop).map_err(Into::into), iters)?;
-            let own = time(&|| avx2.forward(&x).map(drop), iters)?;
+            let ours_q8_0 = time(&|| q8_0.forward(&x).map(drop), iters)?;
+            let ours_q4_1 = time(&|| q4_1.forward(&x).map(drop), iters)?;
             let gmac = |s: f64| (m * k * n) as f64 / s / 1e9;
-            let mut row = json!({
-                "n": n, "k": k, "rows": m, "candle_input_padding": pad,
-                "candle_us": theirs * 1e6, "avx2_us": own * 1e6,
-                "candle_gmac_s": gmac(theirs), "avx2_gmac_s": gmac(own),
-            });
-            if let Some(tiled) = &tiled {
-                let t = time(&|| tiled.forward(&x).map(drop), iters)?;
-                row["vnni_us"] = json!(t * 1e6);
-                row["vnni_gmac_s"] = json!(gmac(t));
-                row["vnni_speedup_over_candle"] = json!(theirs / t);
-            }
-            if let Some(tiled) = &tiled_q4_1 {
-                let t = time(&|| tiled.forward(&x).map(drop), iters)?;
-                row["vnni_q4_1_us"] = json!(t * 1e6);
-                row["vnni_q4_1_speedup_over_candle"] = json!(theirs / t);
-            }
-            rows.push(row);
+            rows.push(json!({
+                "n": n, "k": k, "rows": m, "int8_kernels": kernels, "candle_input_padding": pad,
+                "candle_us": theirs * 1e6, "candle_gmac_s": gmac(theirs),
+                "int8_q8_0_us": ours_q8_0 * 1e6, "int8_q8_0_gmac_s": gmac(ours_q8_0),
+                "int8_q4_1_us": ours_q4_1 * 1e6, "int8_q4_1_gmac_s": gmac(ours_q4_1),
+                "int8_q8_0_speedup_over_candle": theirs / ours_q8_0,
+            }));
         }
     }
     Ok(Value::Array(rows))

@@ -49,13 +49,12 @@ pub struct ModelArgs {
     #[arg(long, env = "BELLOWS_NO_REQUANTIZE")]
     pub no_requantize: bool,
     /// Do not zero-pad matmul inputs for candle's repacked Q8_0 kernels (slower, finer activation
-    /// quantization; only where those kernels run: without AVX-512 VNNI, or with
-    /// `--candle-matmul`).
+    /// quantization; only where those kernels run: with `--candle-matmul` on a CPU with VNNI).
     #[arg(long, env = "BELLOWS_NO_REPACK")]
     pub no_repack: bool,
-    /// Run Q8_0 matmuls on candle's kernels instead of ours (slower; for comparisons: bit-identical
-    /// to our AVX2 kernel, not to the AVX-512 VNNI one, which quantizes activations per 32 values
-    /// rather than per 256).
+    /// Run Q8_0 matmuls on candle's kernels instead of ours (slower; for comparisons: Q4_1 is then
+    /// re-quantized to Q8_0, and candle's repacked kernels quantize activations per 256 values
+    /// rather than per 32).
     #[arg(long, env = "BELLOWS_CANDLE_MATMUL")]
     pub candle_matmul: bool,
     /// Keep the KV pool as tensors on the model's device and attend with candle's ops, as a GPU

@@ -33,8 +33,7 @@ use super::{
     Backend, BatchRow, ModelSpec,
     attention::{Attention, Heads, KvDtype, LayerKv, Rope, RopeStyle, paged_attention},
     device_attention::{DeviceKv, DeviceRope, StepPlan, paged_attention_on_device},
-    q8_matmul::{self, Q8Weights},
-    q8_vnni::{self, VnniWeights},
+    int8_matmul::{self, Int8Weights},
     rms_norm,
     rows::{RowFill, map_rows, on_host, split_columns},
     swiglu,
@@ -44,7 +43,7 @@ use super::{
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     /// Re-quantize Q4_1/Q5_0/Q5_1 weights to Q8_0 (faster matmuls on x86, slightly more memory);
-    /// Q4_1 stays as it is where our AVX-512 VNNI kernels take it.
+    /// Q4_1 stays as it is where our int8 kernels take it.
     pub requantize: bool,
     /// Zero-pad matmul inputs so candle's repacked Q8_0 kernels apply, where the CPU has them and
     /// our VNNI kernels do not take the matrix (about 1.5x faster decode on the default model;
@@ -52,9 +51,8 @@ pub struct LoadOptions {
     pub repack: bool,
     /// Show a progress bar on stderr while loading (hidden when stderr is not a terminal).
     pub progress: bool,
-    /// Run matmuls on our own kernels where the CPU has them: the tiled ones (`q8_vnni`) on every
-    /// Q8_0 and Q4_1 matrix with AVX-512 VNNI, else the AVX2 one (`q8_matmul`) on Q8_0 matrices
-    /// where candle's repacked kernels do not apply.
+    /// Run every Q8_0 and Q4_1 matmul on our own kernels (`int8_matmul`) where the CPU has them
+    /// (AVX-512 VNNI or AVX2).
     pub own_matmul: bool,
     /// Keep the KV pool as tensors on the model's device and attend with candle's ops
     /// (`device_attention`), even on the CPU: how CI tests the path a GPU runs. A CUDA device
@@ -214,35 +212,32 @@ impl LlamaConfig {
     }
 }
 
-/// A quantized matmul. For Q8_0 (and Q4_1) weights, in order of preference: our tiled kernels where
-/// the CPU has AVX-512 VNNI (`q8_vnni`: any input width that is a whole number of blocks, weights
-/// at their file's size); for Q8_0 then candle's repacked kernels where it has VNNI of some kind,
-/// on every matrix whose outputs are a multiple of 16, with the input zero-padded to a multiple of
-/// 256 columns where it is not one already (576 -> 768 for SmolLM2: about twice as fast as
-/// candle's generic kernel, which more than pays for the padding); else our AVX2 kernel
-/// (`q8_matmul`: bit-identical to candle's generic one, several times faster over many rows). Zero
-/// columns add exact zeros, and every kernel works row by row, so batch invariance holds.
+/// A quantized matmul. For Q8_0 and Q4_1 weights, our tiled kernels where the CPU has AVX-512 VNNI
+/// or AVX2 (`int8_matmul`: any input width that is a whole number of blocks, weights at their
+/// file's size, the same bits on either); without ours (`--candle-matmul`), candle's repacked
+/// Q8_0 kernels where it has VNNI of some kind, on every matrix whose outputs are a multiple of 16,
+/// with the input zero-padded to a multiple of 256 columns where it is not one already (zero
+/// columns add exact zeros); else candle's generic kernels. Every kernel works row by row, so
+/// batch invariance holds.
 enum Linear {
     Candle { mm: QMatMul, pad: usize },
-    Own(Q8Weights),
-    Vnni(VnniWeights),
+    Int8(Int8Weights),
 }
 
 impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Linear::Own(w) => w.forward(x),
-            Linear::Vnni(w) => w.forward(x),
+            Linear::Int8(w) => w.forward(x),
             Linear::Candle { mm, pad: 0 } => Ok(mm.forward(x)?),
             Linear::Candle { mm, pad } => Ok(mm.forward(&x.pad_with_zeros(D::Minus1, 0, *pad)?)?),
         }
     }
 
     /// The product with the `m` rows, `k` wide, that `fill` writes (a norm's or a gate's): our
-    /// VNNI kernel quantizes each as it is made; the others take them whole.
+    /// int8 kernels quantize each as it is made; candle's take them whole.
     fn forward_rows(&self, m: usize, k: usize, fill: &RowFill<'_>) -> Result<Tensor> {
         match self {
-            Linear::Vnni(w) => w.forward_rows(m, k, fill),
+            Linear::Int8(w) => w.forward_rows(m, k, fill),
             _ => self.forward(&Tensor::from_vec(map_rows(m, k, fill), (m, k), &Device::Cpu)?),
         }
     }
@@ -250,7 +245,7 @@ impl Linear {
 
 /// Whether candle 0.11's repacked Q8_0 matmul runs on this CPU (it needs VNNI; plain AVX2 falls
 /// back to the generic kernel, where padding would only cost).
-fn cpu_has_repacked_q8_0() -> bool {
+pub(crate) fn cpu_has_repacked_q8_0() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avxvnni")
@@ -389,9 +384,8 @@ struct Loader<'a> {
     device: Device,
     requantize: bool,
     pad: bool,
-    own_matmul: bool,
-    /// Our AVX-512 VNNI kernels take Q8_0 and Q4_1 matrices.
-    vnni: bool,
+    /// Our int8 kernels take Q8_0 and Q4_1 matrices.
+    own_int8: bool,
 }
 
 impl Loader<'_> {
@@ -399,8 +393,8 @@ impl Loader<'_> {
         let t = self.content.tensor(&mut self.file, name, &self.device)?;
         // Slow only on the CPU: a GPU's kernels take these formats, and fewer bytes are faster there.
         let slow = self.device.is_cpu() && matches!(t.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
-        // Our VNNI kernels run Q4_1 as it is: fewer bytes than Q8_0, and no second rounding.
-        let kept = self.vnni && VnniWeights::takes(t.dtype());
+        // Our int8 kernels run Q4_1 as it is: fewer bytes than Q8_0, and no second rounding.
+        let kept = self.own_int8 && Int8Weights::takes(t.dtype());
         if self.requantize && slow && !kept {
             let f = t.dequantize(&self.device)?;
             return Ok(QTensor::quantize(&f, GgmlDType::Q8_0)?);
@@ -411,8 +405,8 @@ impl Loader<'_> {
     /// A matmul over `t`, padded for the repacked kernels where that helps.
     fn linear(&self, t: QTensor) -> Result<Linear> {
         let (n, k) = t.shape().dims2()?;
-        if self.vnni && VnniWeights::takes(t.dtype()) {
-            return Ok(Linear::Vnni(VnniWeights::from_qtensor(&t)?));
+        if self.own_int8 && Int8Weights::takes(t.dtype()) {
+            return Ok(Linear::Int8(Int8Weights::from_qtensor(&t)?));
         }
         if self.pad && self.device.is_cpu() && t.dtype() == GgmlDType::Q8_0 && n % REPACK_N == 0 {
             // A width already a multiple of 256 (SmolLM2's MLP down projection) needs no padding.
@@ -427,10 +421,6 @@ impl Loader<'_> {
             // The kernels repack weights on first use: do it now, not in the first request.
             lin.forward(&Tensor::zeros((1, k), candle_core::DType::F32, &self.device)?)?;
             return Ok(lin);
-        }
-        let own_q8_0 = self.own_matmul && self.device.is_cpu() && t.dtype() == GgmlDType::Q8_0;
-        if own_q8_0 && q8_matmul::available() {
-            return Ok(Linear::Own(Q8Weights::from_qtensor(&t)?));
         }
         Ok(Linear::Candle { mm: QMatMul::from_qtensor(t)?, pad: 0 })
     }
@@ -494,8 +484,7 @@ impl LlamaModel {
             device: device.clone(),
             requantize: opts.requantize,
             pad: opts.repack && cpu_has_repacked_q8_0(),
-            own_matmul: opts.own_matmul,
-            vnni: opts.own_matmul && device.is_cpu() && q8_vnni::available(),
+            own_int8: opts.own_matmul && device.is_cpu() && int8_matmul::available(),
         };
 
         let bar = if opts.progress {

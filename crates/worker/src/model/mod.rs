@@ -8,9 +8,8 @@
 pub mod attention;
 pub mod device_attention;
 pub(crate) mod exp;
+pub mod int8_matmul;
 pub mod llama;
-pub mod q8_matmul;
-pub mod q8_vnni;
 pub mod rms_norm;
 pub(crate) mod rows;
 pub mod sim;

@@ -9,7 +9,8 @@
 //! the blocks every query of a tile sees whole; keys lie transposed within each block,
 //! so a block's scores fill the lanes of a register with no sum across lanes; the key scores,
 //! the value tiles and the exponential take AVX-512 registers where the CPU has them, chosen at
-//! run time), and each is tested to give the very bits of the plain one-at-a-time loop. Tried and
+//! run time, and the key scores AVX2's where it has only those), and each is tested to give the
+//! very bits of the plain one-at-a-time loop. Tried and
 //! dropped: the key sums in another order (two chains over the halves of a head), which moved a
 //! near-tie of the tests' prompts away from llama.cpp's greedy tokens.
 //!
@@ -326,6 +327,12 @@ trait KvElement: Copy + Send + Sync + 'static {
     /// SAFETY: the CPU has AVX-512F, BW and VL; every element in `mask` is readable.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512;
+
+    /// The eight elements at `p` as floats.
+    ///
+    /// SAFETY: the CPU has AVX2, FMA and F16C; eight elements are readable at `p`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
 
 impl KvElement for f32 {
@@ -345,6 +352,14 @@ impl KvElement for f32 {
     unsafe fn load16(p: *const Self, mask: std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512 {
         // SAFETY: the caller's contract.
         unsafe { std::arch::x86_64::_mm512_maskz_loadu_ps(mask, p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
     }
 }
 
@@ -366,6 +381,15 @@ impl KvElement for f16 {
         use std::arch::x86_64::*;
         // SAFETY: the caller's contract; binary16 widens to f32 exactly.
         unsafe { _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast())) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; binary16 widens to f32 exactly.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
 }
 
@@ -580,6 +604,18 @@ fn qk_block<E: KvElement, const R: usize>(
         unsafe { qk_block_avx512(q, keys.as_ptr(), block_size, hd, slots, scale, out) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        let mut out = out;
+        let (qp, op) = (q.map(<[f32]>::as_ptr), out.each_mut().map(|o| o.as_mut_ptr()));
+        // SAFETY: AVX2, FMA and F16C are present (checked at run time); every key read is below
+        // `hd * block_size` (asserted above); each output holds `slots.len()` floats of its own.
+        let done = unsafe { qk_block_avx2(qp, keys.as_ptr(), block_size, hd, slots.clone(), scale, op) };
+        // The last slots, fewer than a register's eight, one at a time.
+        let out = out.map(|o| &mut o[done..]);
+        qk_block_portable(q, keys, block_size, slots.start + done..slots.end, scale, out);
+        return;
+    }
     qk_block_portable(q, keys, block_size, slots, scale, out);
 }
 
@@ -739,6 +775,102 @@ unsafe fn qk_two_avx512<E: KvElement, const R: usize>(
     }
 }
 
+/// Slots one [`qk_avx2`] register holds.
+const SLOT_LANES_AVX2: usize = 8;
+
+/// [`qk_block`] on AVX2, for as many of `slots` as fill whole registers of eight (sixteen at a
+/// time while there are that many): returns how many it scored, from `slots.start`.
+///
+/// SAFETY: the CPU has AVX2, FMA and F16C; `hd` floats are readable at each `q[r]`, and
+/// `hd * block_size` elements at `keys`; `slots.len()` floats are writable at each `out[r]`,
+/// overlapping nothing else; `slots.end <= block_size`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn qk_block_avx2<E: KvElement, const R: usize>(
+    q: [*const f32; R],
+    keys: *const E,
+    block_size: usize,
+    hd: usize,
+    slots: Range<usize>,
+    scale: f32,
+    out: [*mut f32; R],
+) -> usize {
+    let mut c = slots.start;
+    // SAFETY: each call reads slots `c..c + 8 S`, below `slots.end`, and writes as many scores.
+    unsafe {
+        let at = |c: usize| (keys.add(c), out.map(|o| o.add(c - slots.start)));
+        while slots.end - c >= 2 * SLOT_LANES_AVX2 {
+            let (k, o) = at(c);
+            qk_avx2::<E, R, 2>(q, k, block_size, hd, scale, o);
+            c += 2 * SLOT_LANES_AVX2;
+        }
+        if slots.end - c >= SLOT_LANES_AVX2 {
+            let (k, o) = at(c);
+            qk_avx2::<E, R, 1>(q, k, block_size, hd, scale, o);
+            c += SLOT_LANES_AVX2;
+        }
+    }
+    c - slots.start
+}
+
+/// `8 S` consecutive slots' scores for `R` queries, eight slots to a register: `dot`'s bits, its
+/// lane sums taken two at a time in the order its fold adds them (as [`qk_two_avx512`] does), so
+/// that a pair's chains, `2 R S` registers, fit AVX2's sixteen beside the loads.
+///
+/// SAFETY: the CPU has AVX2, FMA and F16C; `hd` floats are readable at each `q[r]`, and
+/// `8 S` elements at `keys + d * block_size` for every dimension `d` below `hd`; `8 S` floats
+/// are writable at each `out[r]`, overlapping nothing else.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn qk_avx2<E: KvElement, const R: usize, const S: usize>(
+    q: [*const f32; R],
+    keys: *const E,
+    block_size: usize,
+    hd: usize,
+    scale: f32,
+    out: [*mut f32; R],
+) {
+    use std::arch::x86_64::*;
+    let whole = hd - hd % LANES;
+    // SAFETY: every load lies inside what the caller promises, every store inside `out[r]`'s
+    // `8 S` floats.
+    unsafe {
+        let key = |i: usize, d: usize| E::load8(keys.add(d * block_size + i * SLOT_LANES_AVX2));
+        // Lanes `l` and `l + 4` of `dot` for every query and register of slots, each summed over
+        // its dimensions in order from zero, then added: the first adds of `fold`.
+        let pair = |l: usize| -> [[__m256; S]; R] {
+            let (mut a, mut b) = ([[_mm256_setzero_ps(); S]; R], [[_mm256_setzero_ps(); S]; R]);
+            for d in (l..whole).step_by(LANES) {
+                for (d, acc) in [(d, &mut a), (d + LANES / 2, &mut b)] {
+                    let k: [__m256; S] = from_fn(|i| key(i, d));
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let x = _mm256_set1_ps(*q[r].add(d));
+                        for (acc, k) in acc.iter_mut().zip(k) {
+                            *acc = _mm256_fmadd_ps(x, k, *acc);
+                        }
+                    }
+                }
+            }
+            from_fn(|r| from_fn(|i| _mm256_add_ps(a[r][i], b[r][i])))
+        };
+        let sum = |x: [[__m256; S]; R], y: [[__m256; S]; R]| -> [[__m256; S]; R] {
+            from_fn(|r| from_fn(|i| _mm256_add_ps(x[r][i], y[r][i])))
+        };
+        // `fold`: ((0 + 4) + (1 + 5)) + ((2 + 6) + (3 + 7)).
+        let first = sum(pair(0), pair(1));
+        let second = sum(pair(2), pair(3));
+        for r in 0..R {
+            for i in 0..S {
+                let mut score = _mm256_add_ps(first[r][i], second[r][i]);
+                for d in whole..hd {
+                    score = _mm256_fmadd_ps(_mm256_set1_ps(*q[r].add(d)), key(i, d), score);
+                }
+                _mm256_storeu_ps(out[r].add(i * SLOT_LANES_AVX2), _mm256_mul_ps(score, _mm256_set1_ps(scale)));
+            }
+        }
+    }
+}
+
 /// `out[i] += weights[i][s] * V[s]` for `R` queries (heads sharing a KV head) and consecutive
 /// value rows `s`, the first at element `off`, added in row order: called block after block,
 /// each element is summed in position order from 0. Columns are taken [`TILE`] at a time, kept
@@ -800,6 +932,15 @@ fn weighted_run<E: KvElement, const R: usize>(
 fn avx512() -> bool {
     use std::arch::is_x86_feature_detected as has;
     has!("avx512f") && has!("avx512bw") && has!("avx512vl")
+}
+
+/// Whether this CPU runs AVX2 with FMA, and F16C for the half-precision cache's loads: the
+/// kernels for CPUs without AVX-512 (eight lanes a register, the same bits).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn avx2() -> bool {
+    use std::arch::is_x86_feature_detected as has;
+    has!("avx2") && has!("fma") && has!("f16c")
 }
 
 /// [`weighted_run`]'s tile of [`TILE`] columns for each of `R` rows of weights (heads sharing
@@ -1715,6 +1856,62 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn eight_slots_to_a_register_give_each_slot_the_bits_of_dot_in_either_cache() {
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            fn check<E: KvElement>() {
+                // Head sizes of whole eights and not (67: three dimensions after the fold);
+                // blocks of one and two registers and between; runs of slots that start and end
+                // anywhere (the kernel scores whole registers of them, the rest is left).
+                for (hd, block_size) in [(64, 16), (72, 20), (67, 16), (64, 27)] {
+                    let keys: Vec<E> = wave(hd * block_size, 0.017).into_iter().map(E::from_f32).collect();
+                    let key = |s: usize| (0..hd).map(|d| keys[d * block_size + s].to_f32()).collect::<Vec<_>>();
+                    let queries = [wave(hd, 0.29), wave(hd, 0.47), wave(hd, 0.61)];
+                    for slots in [0..block_size, 3..block_size, 5..13, 0..7, 1..block_size - 1] {
+                        let n = slots.len();
+                        let mut out = [vec![0f32; n], vec![0f32; n], vec![0f32; n]];
+                        let q = queries.each_ref().map(|q| q.as_ptr());
+                        let o = out.each_mut().map(|o| o.as_mut_ptr());
+                        // SAFETY: AVX2, FMA and F16C are present; each query holds `hd` floats,
+                        // the keys `hd * block_size`, each output `n` floats.
+                        let done =
+                            unsafe { qk_block_avx2::<E, 3>(q, keys.as_ptr(), block_size, hd, slots.clone(), 0.5, o) };
+                        assert_eq!(done, n - n % 8, "every whole register of slots, {slots:?}");
+                        for (r, q) in queries.iter().enumerate() {
+                            let mut alone = vec![0f32; n];
+                            // SAFETY: as above, one query.
+                            let one = unsafe {
+                                qk_block_avx2::<E, 1>(
+                                    [q.as_ptr()],
+                                    keys.as_ptr(),
+                                    block_size,
+                                    hd,
+                                    slots.clone(),
+                                    0.5,
+                                    [alone.as_mut_ptr()],
+                                )
+                            };
+                            assert_eq!(one, done);
+                            for i in 0..done {
+                                let expected = (dot(q, &key(slots.start + i)) * 0.5).to_bits();
+                                assert_eq!(
+                                    out[r][i].to_bits(),
+                                    expected,
+                                    "hd {hd}, head {r}, slot {}",
+                                    slots.start + i
+                                );
+                                assert_eq!(alone[i].to_bits(), expected, "head {r} alone");
+                            }
+                        }
+                    }
+                }
+            }
+            check::<f32>();
+            check::<f16>();
         }
     }
 

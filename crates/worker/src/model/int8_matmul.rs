@@ -1,6 +1,8 @@
-//! Our int8 matrix multiply on CPUs with AVX-512 VNNI, for Q8_0 and Q4_1 weights: one `vpdpbusd`
-//! multiplies four inputs of sixteen output columns at once, and a pass keeps up to eight rows'
-//! sums in registers, so each weight load serves every row of the pass.
+//! Our int8 matrix multiply for Q8_0 and Q4_1 weights, on CPUs with AVX-512 VNNI or AVX2: with
+//! VNNI, one `vpdpbusd` multiplies four inputs of sixteen output columns at once, and a pass keeps
+//! up to eight rows' sums in registers, so each weight load serves every row of the pass; with
+//! AVX2 only (module `avx2`), the same layout and float steps, eight columns to a register, so
+//! the same bits on either CPU.
 //!
 //! Why not candle's repacked kernels, which use the same instruction: they take activations only
 //! in 256-wide blocks, so every matrix whose input is not a multiple of 256 wide must be zero-padded
@@ -9,7 +11,10 @@
 //! and a second rounding), and their inner loop keeps at most four rows, their count known only at
 //! run time. Here the input width need only be a multiple of 32, the weights keep their file's
 //! size (Q4_1: 16 bytes of nibbles and two f16 per 32 values), and the row count of a pass is a
-//! compile-time constant, so its sums stay in registers.
+//! compile-time constant, so its sums stay in registers. (On AVX2 alone candle has only its
+//! generic kernel, which sums each row against each column on its own, re-reading the weights for
+//! every row; an earlier kernel of ours kept its bits and tiled it, and this one is 1.3-1.8x that
+//! on Q8_0 and 1.7-2.4x on Q4_1, one row to 256: docs/BENCHMARKS.md.)
 //!
 //! Layout: the weights go in tiles of 16 output columns; per tile and input block, the quants of
 //! the 16 columns lie as [4-input group][column][4 inputs] (`vpdpbusd`'s shape), beside the 16
@@ -25,8 +30,9 @@
 //! `acc = fma(f32(dot_b) * w_scale_b, x_scale_b, acc)`, where `dot_b` is the exact integer dot
 //! product of block `b` (Q4_1 then adds a second such sum, of `fma(w_min_b, x_scaled_sum_b, ·)`,
 //! at the end: llama.cpp's formula for Q4_1 against Q8_1). No step depends on the other rows of
-//! the pass or the batch, so a row's output is the same bits however many rows share the call
-//! (tests below check it against a scalar model of that sequence, and against the same row alone).
+//! the pass or the batch, so a row's output is the same bits however many rows share the call, and
+//! on either instruction set (tests below check every one the CPU runs against a scalar model of
+//! that sequence, and against the same row alone). A fleet of mixed CPUs gives one answer.
 
 use std::borrow::Cow;
 
@@ -64,26 +70,58 @@ const MAGIC: f32 = 12_582_912.0;
 /// is paid once for them all.
 const ITEM_PASSES: usize = 4;
 
-/// Whether this CPU runs the kernels, AVX-512 F, BW and VNNI (checked at run time: the build
+/// Whether this CPU runs the kernels (AVX-512 VNNI, or AVX2; checked at run time: the build
 /// targets x86-64-v3).
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vnni")
+    Isa::best().is_some()
+}
+
+/// Which kernels this CPU runs, by name, if any.
+pub fn kernels() -> Option<&'static str> {
+    Isa::best().map(|isa| match isa {
+        Isa::Avx512Vnni => "AVX-512 VNNI",
+        Isa::Avx2 => "AVX2",
+    })
+}
+
+/// The instructions that run the kernels, chosen once as the weights are made. Both give the same
+/// bits: only the integer dot products are computed differently, and integers are exact.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    /// AVX-512 F, BW and VNNI: `vpdpbusd`, sixteen columns to a register.
+    Avx512Vnni,
+    /// AVX2, FMA and F16C: `vpmaddubsw` and `vpmaddwd`, eight columns to a register.
+    Avx2,
+}
+
+impl Isa {
+    /// Every instruction set this CPU runs the kernels on, the fastest first.
+    fn here() -> Vec<Isa> {
+        let mut isas = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
+                isas.push(Isa::Avx512Vnni);
+            }
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                isas.push(Isa::Avx2);
+            }
+        }
+        isas
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    fn best() -> Option<Isa> {
+        Isa::here().first().copied()
     }
 }
 
 /// Quantized weights of an `n × k` matrix (`n` outputs), tiled for the kernel (see the module docs).
-pub struct VnniWeights {
+pub struct Int8Weights {
     n: usize,
     k: usize,
     format: Format,
+    isa: Isa,
 }
 
 /// The tiles' quants, per tile, per block (index `tile * blocks + block`); scales and minimums
@@ -114,7 +152,7 @@ struct QuantRows {
     scaled_sums: Vec<f32>,
 }
 
-impl VnniWeights {
+impl Int8Weights {
     /// Whether `from_qtensor` takes weights of this type.
     pub fn takes(dtype: GgmlDType) -> bool {
         matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_1)
@@ -122,8 +160,16 @@ impl VnniWeights {
 
     /// From a Q8_0 or Q4_1 tensor of shape `(n, k)`; `k` must be a whole number of blocks.
     pub fn from_qtensor(t: &QTensor) -> Result<Self> {
-        // The kernels' safety rests on this: no weights, no calls.
-        ensure!(available(), "this CPU lacks AVX-512 VNNI, which these kernels need");
+        let Some(isa) = Isa::best() else {
+            bail!("this CPU lacks both AVX-512 VNNI and AVX2, which these kernels need")
+        };
+        Self::for_isa(t, isa)
+    }
+
+    /// [`Int8Weights::from_qtensor`] for the kernels of `isa`, which must be among [`Isa::here`]:
+    /// the kernels' safety rests on it (no weights, no calls).
+    fn for_isa(t: &QTensor, isa: Isa) -> Result<Self> {
+        ensure!(Isa::here().contains(&isa), "this CPU cannot run the {isa:?} kernels");
         let (n, k) = t.shape().dims2()?;
         ensure!(k % BLOCK == 0, "a row of {k} values is not a whole number of blocks");
         let data: Cow<[u8]> = t.data()?;
@@ -168,7 +214,7 @@ impl VnniWeights {
             }
             Format::Q4_1 { quants, scales, mins }
         };
-        Ok(VnniWeights { n, k, format })
+        Ok(Int8Weights { n, k, format, isa })
     }
 
     /// `x · selfᵀ` for `x` of shape `(…, k)`: shape `(…, n)`.
@@ -177,9 +223,9 @@ impl VnniWeights {
         let Some((&k, outer)) = dims.split_last() else { bail!("a matmul input needs a last dimension") };
         ensure!(k == self.k, "input of width {k} for weights of width {}", self.k);
         let m = outer.iter().product::<usize>();
-        let rows = match on_host(x, |v| QuantRows::quantize(Source::Rows(v), m, k)) {
+        let rows = match on_host(x, |v| QuantRows::quantize(Source::Rows(v), m, k, self.isa)) {
             Some(rows) => rows,
-            None => QuantRows::quantize(Source::Rows(&x.flatten_all()?.to_vec1::<f32>()?), m, k),
+            None => QuantRows::quantize(Source::Rows(&x.flatten_all()?.to_vec1::<f32>()?), m, k, self.isa),
         };
         let mut shape = outer.to_vec();
         shape.push(self.n);
@@ -191,7 +237,7 @@ impl VnniWeights {
     /// so the rows are never written out whole and read back (the same bits as `forward` of them).
     pub fn forward_rows(&self, m: usize, k: usize, fill: &RowFill<'_>) -> Result<Tensor> {
         ensure!(k == self.k, "rows of width {k} for weights of width {}", self.k);
-        let rows = QuantRows::quantize(Source::Made(fill), m, k);
+        let rows = QuantRows::quantize(Source::Made(fill), m, k, self.isa);
         Ok(Tensor::from_vec(self.product(&rows), (m, self.n), &Device::Cpu)?)
     }
 
@@ -221,7 +267,7 @@ impl VnniWeights {
                 let count = (MAX_ROWS * ITEM_PASSES).min(m - first);
                 // SAFETY: each (row, column) of `out` belongs to exactly one item; the kernel
                 // writes only the columns below `n` of its rows. `available` was checked before
-                // any `VnniWeights` was made.
+                // any `Int8Weights` was made.
                 unsafe { self.passes(rows, first..first + count, tile, out_at as *mut f32) };
             }
         };
@@ -231,7 +277,7 @@ impl VnniWeights {
     /// Rows `rows` against one tile, eight at a time.
     ///
     /// # Safety
-    /// The CPU has AVX-512 F, BW and VNNI; `out` points to an `m × n` buffer no other thread writes
+    /// The CPU runs `self.isa`'s kernels; `out` points to an `m × n` buffer no other thread writes
     /// these elements of.
     unsafe fn passes(&self, x: &QuantRows, rows: std::ops::Range<usize>, tile: usize, out: *mut f32) {
         let nb = self.k / BLOCK;
@@ -253,6 +299,11 @@ impl VnniWeights {
             let x = x.pass(first, count);
             // SAFETY: the caller's promise; row `first + r`'s columns of this tile start here.
             let dst = unsafe { out.add(first * self.n + tile * TILE) };
+            if self.isa == Isa::Avx2 {
+                // SAFETY: as above; AVX2, FMA and F16C are present (the weights were made for them).
+                unsafe { avx2::pass(w, x, count, nibbles, dst, self.n, cols) };
+                continue;
+            }
             /// The kernel for `count` rows and the format, compile-time constants in each arm.
             macro_rules! by_rows {
                 ($($rows:literal)*) => {
@@ -307,6 +358,7 @@ struct Slots {
     scaled_sums: usize,
     blocks: usize,
     rows: usize,
+    isa: Isa,
 }
 
 impl Slots {
@@ -314,7 +366,7 @@ impl Slots {
     ///
     /// # Safety
     /// No other thread fills these rows; the buffers have room for `blocks × rows` blocks; the
-    /// CPU has AVX-512F (checked before any `VnniWeights` was made).
+    /// CPU runs `self.isa`'s kernels (checked before any `Int8Weights` was made).
     unsafe fn fill(&self, first: usize, src: &[f32]) {
         let (quants, scales, offsets, scaled) = (
             self.quants as *mut [i8; BLOCK],
@@ -328,7 +380,10 @@ impl Slots {
             // SAFETY: `slot` maps distinct blocks to distinct places below the capacity, and
             // these rows are this call's alone (the caller's promise).
             unsafe {
-                let (scale, sum, scaled_sum) = quantize_block(x, quants.add(j));
+                let (scale, sum, scaled_sum) = match self.isa {
+                    Isa::Avx512Vnni => quantize_block(x, quants.add(j)),
+                    Isa::Avx2 => avx2::quantize_block(x, quants.add(j)),
+                };
                 (*scales.add(j), *offsets.add(j), *scaled.add(j)) = (scale, MAGIC_BITS - 128 * sum, scaled_sum);
             }
         }
@@ -338,7 +393,7 @@ impl Slots {
 impl QuantRows {
     /// `m` rows of `k` values (a whole number of blocks) to Q8_0, block by block; many rows are
     /// split across candle's pool.
-    fn quantize(source: Source<'_>, m: usize, k: usize) -> QuantRows {
+    fn quantize(source: Source<'_>, m: usize, k: usize, isa: Isa) -> QuantRows {
         let count = m * k / BLOCK;
         // Not zeroed: the blocks below fill every element (zeroing them first was 0.4% of a cold
         // prefill's samples, on the calling thread while the others waited).
@@ -357,6 +412,7 @@ impl QuantRows {
             scaled_sums: rows.scaled_sums.as_mut_ptr() as usize,
             blocks: k / BLOCK,
             rows: m,
+            isa,
         };
         let work = |range: std::ops::Range<usize>| match source {
             // SAFETY (both arms): rows `range` belong to this call alone (see `Slots::fill`).
@@ -443,7 +499,7 @@ unsafe fn quantize_block(x: &[f32; BLOCK], q: *mut [i8; BLOCK]) -> (f32, i32, f3
 
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn quantize_block(_: &[f32; BLOCK], _: *mut [i8; BLOCK]) -> (f32, i32, f32) {
-    unreachable!("VnniWeights are only made where `available` is true")
+    unreachable!("Int8Weights are only made where `available` is true")
 }
 
 /// A pass of `R` rows against one tile, of Q4_1 if `NIBBLES` else of Q8_0: row `r`'s `cols`
@@ -555,7 +611,228 @@ unsafe fn store<const R: usize>(acc: &[std::arch::x86_64::__m512; R], out: *mut 
 
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn kernel<const R: usize, const NIBBLES: bool>(_: TileRef, _: PassRef, _: *mut f32, _: usize, _: usize) {
-    unreachable!("VnniWeights are only made where `available` is true")
+    unreachable!("Int8Weights are only made where `available` is true")
+}
+
+/// The kernels on AVX2 ([`Isa::Avx2`]): the same weight layout, activation blocks and float steps
+/// as the AVX-512 ones, each tile's sixteen columns in two halves of eight lanes, so the same
+/// bits. Only the integer dot products are made differently: `vpmaddubsw` multiplies unsigned by
+/// signed bytes and adds pairs into 16 bits, `vpmaddwd` adds those pairs into 32; both exact here
+/// (see the bounds at each use), so each block's dot product is the integer `vpdpbusd` gives.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::{arch::x86_64::*, array::from_fn};
+
+    use super::{BLOCK, GROUP, MAGIC, MAGIC_BITS, PassRef, TILE, TileRef, f16};
+
+    /// Rows one kernel call keeps in registers: three each (dot product, sums, minimums' sums)
+    /// of AVX2's sixteen, beside the weights.
+    const ROWS: usize = 4;
+    /// Columns one register holds: half a tile.
+    const HALF: usize = TILE / 2;
+
+    /// A pass of `count` rows against one tile, as [`super::kernel`] computes it: its rows four at
+    /// a time, each against the tile's two halves in turn.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` is a pass of `count` rows and `w` a tile of as many
+    /// blocks (checked in the kernel); `out + r * stride .. + cols` is writable for each row `r`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn pass(
+        w: TileRef,
+        x: PassRef,
+        count: usize,
+        nibbles: bool,
+        out: *mut f32,
+        stride: usize,
+        cols: usize,
+    ) {
+        for r0 in (0..count).step_by(ROWS) {
+            for half in 0..TILE / HALF {
+                let cols = cols.saturating_sub(half * HALF).min(HALF);
+                if cols == 0 {
+                    continue;
+                }
+                // SAFETY: the caller's promise, for rows `r0..` and the half's columns.
+                let (dst, at) = (unsafe { out.add(r0 * stride + half * HALF) }, Rows { pass: count, first: r0 });
+                /// The kernel for the call's rows and the format, compile-time constants in each arm.
+                macro_rules! by_rows {
+                    ($($rows:literal)*) => {
+                        match (ROWS.min(count - r0), nibbles) {
+                            // SAFETY: as above, for each arm.
+                            $(($rows, false) => unsafe { kernel::<$rows, false>(w, x, at, half, dst, stride, cols) },
+                            ($rows, true) => unsafe { kernel::<$rows, true>(w, x, at, half, dst, stride, cols) },)*
+                            _ => unreachable!("a call has 1 to {ROWS} rows"),
+                        }
+                    };
+                }
+                by_rows!(1 2 3 4)
+            }
+        }
+    }
+
+    /// Which rows of a pass a kernel call takes: from `first`, of the pass's `pass`.
+    #[derive(Clone, Copy)]
+    struct Rows {
+        pass: usize,
+        first: usize,
+    }
+
+    /// `R` rows of a pass against half `half` of one tile, of Q4_1 if `NIBBLES` else of Q8_0: the
+    /// float steps of [`super::kernel`] in its order, eight columns to a register.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `x` is a pass of `at.pass` rows and `w` a tile of as many
+    /// blocks (checked below); `out + r * stride .. + cols` is writable for each row `r < R`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn kernel<const R: usize, const NIBBLES: bool>(
+        w: TileRef,
+        x: PassRef,
+        at: Rows,
+        half: usize,
+        out: *mut f32,
+        stride: usize,
+        cols: usize,
+    ) {
+        let (nb, pass) = (x.blocks, at.pass);
+        let block_bytes = if NIBBLES { BLOCK * TILE / 2 } else { BLOCK * TILE };
+        let per_pass = [x.quants.len(), x.scales.len(), x.offsets.len(), x.scaled_sums.len()];
+        assert!(per_pass.iter().all(|&len| len == nb * pass), "a pass of {pass} rows has {per_pass:?} blocks");
+        assert!(
+            at.first + R <= pass && half < TILE / HALF && cols <= HALF,
+            "rows and columns inside the pass and tile"
+        );
+        assert!(w.quants.len() == nb * block_bytes && w.scales.len() == nb && (!NIBBLES || w.mins.len() == nb));
+        let (mut wq, mut ws, mut wm) = (w.quants.as_ptr(), w.scales.as_ptr(), w.mins.as_ptr());
+        // SAFETY: the row offsets are inside each block's `pass` rows (asserted above).
+        let (mut xq, mut xs, mut xm) = unsafe {
+            (
+                x.quants.as_ptr().add(at.first).cast::<u8>(),
+                x.scales.as_ptr().add(at.first),
+                x.scaled_sums.as_ptr().add(at.first),
+            )
+        };
+        let (nibble, flip, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(i8::MIN), _mm256_set1_epi16(1));
+        let magic = _mm256_set1_epi32(MAGIC_BITS);
+        // This half's eight entries of a tile's sixteen (scales, minimums).
+        let eight = |p: *const [f16; TILE]| p.cast::<f16>().wrapping_add(half * HALF).cast::<__m128i>();
+        let (mut acc, mut mins) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+        for _ in 0..nb {
+            // SAFETY (the whole loop body): the pointers stand at this block, inside the slices
+            // checked above (the half's 32 bytes of a group's 64, its eight of sixteen scales and
+            // minimums; rows `at.first..+R` of the pass's). Loads are unaligned.
+            unsafe {
+                let w_scale = _mm256_cvtph_ps(_mm_loadu_si128(eight(ws)));
+                let w_unmagic = _mm256_mul_ps(w_scale, _mm256_set1_ps(-MAGIC));
+                let group = |g: usize| _mm256_loadu_si256(wq.add(g * TILE * GROUP + half * HALF * GROUP).cast());
+                // Row `r`'s four quants of group `g`, in every lane.
+                let quants = |r: usize, g: usize| {
+                    _mm256_set1_epi32(xq.add(r * BLOCK + g * GROUP).cast::<i32>().read_unaligned())
+                };
+                // Each row's block dot product as the bits of `MAGIC + dot`, as `vpdpbusd`'s chain ends.
+                let dots: [__m256i; R] = if NIBBLES {
+                    // Nibbles (0 to 15) times quants: a pair's sum is at most 2 x 15 x 128 in size,
+                    // so all eight groups' add up in 16 bits before one widening.
+                    let mut pairs = [_mm256_setzero_si256(); R];
+                    for g in 0..BLOCK / GROUP / 2 {
+                        let packed = group(g);
+                        let (lo, hi) = (
+                            _mm256_and_si256(packed, nibble),
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(packed), nibble),
+                        );
+                        for (r, pairs) in pairs.iter_mut().enumerate() {
+                            *pairs = _mm256_add_epi16(*pairs, _mm256_maddubs_epi16(lo, quants(r, g)));
+                            *pairs = _mm256_add_epi16(*pairs, _mm256_maddubs_epi16(hi, quants(r, g + 4)));
+                        }
+                    }
+                    from_fn(|r| _mm256_add_epi32(_mm256_madd_epi16(pairs[r], ones), magic))
+                } else {
+                    // Quants back to signed (the layout's +128 off), then |w| times the row's
+                    // quant with w's sign: a pair's sum is at most 2 x 128 x 127, below 2^15
+                    // (activation quants are at most 127 in size).
+                    let mut dots = [magic; R];
+                    for g in 0..BLOCK / GROUP {
+                        let signed = _mm256_xor_si256(group(g), flip);
+                        let size = _mm256_abs_epi8(signed);
+                        for (r, dot) in dots.iter_mut().enumerate() {
+                            let pairs = _mm256_maddubs_epi16(size, _mm256_sign_epi8(quants(r, g), signed));
+                            *dot = _mm256_add_epi32(*dot, _mm256_madd_epi16(pairs, ones));
+                        }
+                    }
+                    dots
+                };
+                for r in 0..R {
+                    let scaled = _mm256_fmadd_ps(_mm256_castsi256_ps(dots[r]), w_scale, w_unmagic);
+                    acc[r] = _mm256_fmadd_ps(scaled, _mm256_set1_ps(*xs.add(r)), acc[r]);
+                }
+                if NIBBLES {
+                    let w_min = _mm256_cvtph_ps(_mm_loadu_si128(eight(wm)));
+                    for (r, mins) in mins.iter_mut().enumerate() {
+                        *mins = _mm256_fmadd_ps(w_min, _mm256_set1_ps(*xm.add(r)), *mins);
+                    }
+                    (wm, xm) = (wm.add(1), xm.add(pass));
+                }
+                wq = wq.add(block_bytes);
+                ws = ws.add(1);
+                (xq, xs) = (xq.add(pass * BLOCK), xs.add(pass));
+            }
+        }
+        if NIBBLES {
+            acc = from_fn(|r| _mm256_add_ps(acc[r], mins[r]));
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            let mut sums = [0f32; HALF];
+            // SAFETY: eight floats of our own; the caller's promise for row `r`'s `cols` outputs.
+            unsafe {
+                _mm256_storeu_ps(sums.as_mut_ptr(), *acc);
+                std::ptr::copy_nonoverlapping(sums.as_ptr(), out.add(r * stride), cols);
+            }
+        }
+    }
+
+    /// [`super::quantize_block`] on AVX2, the same bits: the scale from the largest size, each
+    /// quant rounded half to even (the conversion's rounding), packed in order.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `q` is 32 writable bytes (not necessarily initialized).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn quantize_block(x: &[f32; BLOCK], q: *mut [i8; BLOCK]) -> (f32, i32, f32) {
+        // SAFETY: 32 floats, loaded unaligned as four eights.
+        let v: [__m256; 4] = from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) });
+        let size = |v: __m256| _mm256_andnot_ps(_mm256_set1_ps(-0.0), v);
+        let m = _mm256_max_ps(_mm256_max_ps(size(v[0]), size(v[1])), _mm256_max_ps(size(v[2]), size(v[3])));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        // Conversion rounds as MXCSR says: to nearest, ties to even.
+        let qi: [__m256i; 4] = from_fn(|i| _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id)));
+        let total = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+        let total = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256::<1>(total));
+        let total = _mm_add_epi32(total, _mm_shuffle_epi32::<0b01_00_11_10>(total));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(total, _mm_shuffle_epi32::<0b10_11_00_01>(total)));
+        // The packs work within 128-bit lanes, leaving the eight fours of bytes in the order
+        // 0, 2, 4, 6, 1, 3, 5, 7: the permute puts them back.
+        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: 32 bytes, the caller's.
+        unsafe { _mm256_storeu_si256(q.cast(), bytes) };
+        (f16::from_f32(d).to_f32(), sum, f16::from_f32(d * sum as f32).to_f32())
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod avx2 {
+    use super::{BLOCK, PassRef, TileRef};
+
+    pub(super) unsafe fn pass(_: TileRef, _: PassRef, _: usize, _: bool, _: *mut f32, _: usize, _: usize) {
+        unreachable!("Int8Weights are only made where `available` is true")
+    }
+
+    pub(super) unsafe fn quantize_block(_: &[f32; BLOCK], _: *mut [i8; BLOCK]) -> (f32, i32, f32) {
+        unreachable!("Int8Weights are only made where `available` is true")
+    }
 }
 
 #[cfg(test)]
@@ -623,12 +900,19 @@ mod tests {
 
     const FORMATS: [GgmlDType; 2] = [GgmlDType::Q8_0, GgmlDType::Q4_1];
 
-    /// Whether this CPU runs the kernels; a test that cannot run says it skipped.
-    fn runs_here() -> bool {
-        if !available() {
-            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+    /// The kernels this CPU runs, every one of which a test checks; a test that cannot run says it
+    /// skipped.
+    fn isas() -> Vec<Isa> {
+        let isas = Isa::here();
+        if isas.is_empty() {
+            eprintln!("skipped: neither AVX-512 VNNI nor AVX2 on this CPU");
         }
-        available()
+        isas
+    }
+
+    /// Every format on every kernel this CPU runs.
+    fn cases() -> Vec<(GgmlDType, Isa)> {
+        FORMATS.into_iter().flat_map(|d| isas().into_iter().map(move |i| (d, i))).collect()
     }
 
     /// How many outputs differ from the wanted ones in any bit.
@@ -637,31 +921,33 @@ mod tests {
     }
 
     #[test]
-    fn every_output_is_the_scalar_sequence_bit_for_bit_whatever_the_number_of_rows() {
-        if !runs_here() {
-            return;
-        }
-        // The default model's widths, an input that is no multiple of 256, and a partial tile.
+    fn every_output_is_the_scalar_sequence_bit_for_bit_whatever_the_number_of_rows_and_the_kernels() {
+        // The default model's widths, an input that is no multiple of 256, and partial tiles
+        // (18: two columns past a tile, 40: eight, 5: under half a tile).
         for (dtype, (n, k)) in
-            FORMATS.into_iter().flat_map(|d| [(960, 576), (576, 1536), (18, 64), (40, 96)].map(|s| (d, s)))
+            FORMATS.into_iter().flat_map(|d| [(960, 576), (576, 1536), (18, 64), (40, 96), (5, 32)].map(|s| (d, s)))
         {
             let q = weights(n, k, dtype);
-            let ours = VnniWeights::from_qtensor(&q).unwrap();
-            for m in [1, 2, 3, 7, 8, 9, 17, 33, 130] {
-                let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
-                let want = scalar_model(&q, &flat(&x), n, k);
-                let got = flat(&ours.forward(&x).unwrap());
-                let differ = differing_bits(&got, &want);
-                assert_eq!(differ, 0, "{dtype:?} {n}x{k}, {m} rows: {differ} of {} outputs differ", got.len());
+            for isa in isas() {
+                let ours = Int8Weights::for_isa(&q, isa).unwrap();
+                for m in [1, 2, 3, 5, 7, 8, 9, 17, 33, 130] {
+                    let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
+                    let want = scalar_model(&q, &flat(&x), n, k);
+                    let got = flat(&ours.forward(&x).unwrap());
+                    let differ = differing_bits(&got, &want);
+                    assert_eq!(
+                        differ,
+                        0,
+                        "{isa:?} {dtype:?} {n}x{k}, {m} rows: {differ} of {} outputs differ",
+                        got.len()
+                    );
+                }
             }
         }
     }
 
     #[test]
     fn the_largest_dot_products_a_block_can_hold_stay_exact() {
-        if !runs_here() {
-            return;
-        }
         // Every activation quant at 127 and every weight quant at the end of its range (Q8_0:
         // -127 or 127; Q4_1: 0 and 15 in turn), so each block's dot product is as large as it
         // gets (32 x 127 x 127 for Q8_0): the chains' float trick must hold there too.
@@ -673,18 +959,17 @@ mod tests {
                 let w = Tensor::from_vec((0..n * k).map(value).collect(), (n, k), &Device::Cpu).unwrap();
                 let q = QTensor::quantize(&w, dtype).unwrap();
                 let want = scalar_model(&q, &flat(&x), n, k);
-                let got = flat(&VnniWeights::from_qtensor(&q).unwrap().forward(&x).unwrap());
-                let differ = differing_bits(&got, &want);
-                assert_eq!(differ, 0, "{dtype:?}, sign {sign}: {differ} outputs differ");
+                for isa in isas() {
+                    let got = flat(&Int8Weights::for_isa(&q, isa).unwrap().forward(&x).unwrap());
+                    let differ = differing_bits(&got, &want);
+                    assert_eq!(differ, 0, "{isa:?} {dtype:?}, sign {sign}: {differ} outputs differ");
+                }
             }
         }
     }
 
     #[test]
     fn rows_quantized_as_they_are_made_give_the_bits_of_the_same_rows_in_memory() {
-        if !runs_here() {
-            return;
-        }
         // Row counts off a pass of eight, on this thread and (300 x 576 values) across the pool.
         for m in [1, 13, 300] {
             let x: Vec<f32> =
@@ -693,43 +978,37 @@ mod tests {
                 assert_eq!(out.len(), range.len() * 576, "a buffer as long as the rows asked for");
                 out.copy_from_slice(&x[range.start * 576..range.end * 576]);
             };
-            for dtype in FORMATS {
-                let ours = VnniWeights::from_qtensor(&weights(40, 576, dtype)).unwrap();
+            for (dtype, isa) in cases() {
+                let ours = Int8Weights::for_isa(&weights(40, 576, dtype), isa).unwrap();
                 let whole = ours.forward(&Tensor::from_slice(&x, (m, 576), &Device::Cpu).unwrap()).unwrap();
                 let as_made = ours.forward_rows(m, 576, &made).unwrap();
                 let bits = |t: &Tensor| flat(t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&as_made), bits(&whole), "{dtype:?}, {m} rows");
+                assert_eq!(bits(&as_made), bits(&whole), "{isa:?} {dtype:?}, {m} rows");
             }
         }
     }
 
     #[test]
     fn a_rows_output_does_not_depend_on_the_rows_beside_it() {
-        if !runs_here() {
-            return;
-        }
         let x = Tensor::randn(0f32, 1.0, (37, 576), &Device::Cpu).unwrap();
-        for dtype in FORMATS {
-            let ours = VnniWeights::from_qtensor(&weights(100, 576, dtype)).unwrap();
+        for (dtype, isa) in cases() {
+            let ours = Int8Weights::for_isa(&weights(100, 576, dtype), isa).unwrap();
             let all: Vec<Vec<f32>> = ours.forward(&x).unwrap().to_vec2().unwrap();
             for r in [0, 1, 7, 8, 15, 36] {
                 let alone: Vec<Vec<f32>> = ours.forward(&x.narrow(0, r, 1).unwrap()).unwrap().to_vec2().unwrap();
-                assert_eq!(alone[0], all[r], "{dtype:?}: row {r} alone differs from row {r} in a batch of 37");
+                assert_eq!(alone[0], all[r], "{isa:?} {dtype:?}: row {r} alone differs from row {r} in a batch of 37");
             }
         }
     }
 
     #[test]
     fn the_result_is_the_product_with_the_dequantized_weights_within_activation_rounding() {
-        if !runs_here() {
-            return;
-        }
         let (n, k, m) = (48, 256, 5);
         let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
-        for dtype in FORMATS {
+        for (dtype, isa) in cases() {
             let q = weights(n, k, dtype);
             let exact = flat(&x.matmul(&q.dequantize(&Device::Cpu).unwrap().t().unwrap()).unwrap());
-            let got = flat(&VnniWeights::from_qtensor(&q).unwrap().forward(&x).unwrap());
+            let got = flat(&Int8Weights::for_isa(&q, isa).unwrap().forward(&x).unwrap());
             // Activations rounded to a 254th of each block's range: about 0.1 over 256 terms of
             // unit variance.
             for (a, b) in got.iter().zip(&exact) {
