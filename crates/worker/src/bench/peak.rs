@@ -54,6 +54,9 @@ fn compute_kernels() -> Vec<(&'static str, Kernel)> {
     if has!("avx512f") {
         k.push(("f32_fma_512", |n| unsafe { x86::fma_512(n) }));
     }
+    if has!("avx2") {
+        k.push(("int8_vpmaddubsw_256", |n| unsafe { x86::maddubs_256(n) }));
+    }
     if has!("avx512f") && has!("avx512vnni") {
         k.push(("int8_vpdpbusd_512", |n| unsafe { x86::dpbusd_512(n) }));
     }
@@ -150,6 +153,17 @@ mod x86 {
         let acc: [_; CHAINS] = chains(iters, _mm512_set1_ps(1.0), |x| _mm512_fmadd_ps(x, a, b));
         let sum = acc.iter().fold(_mm512_setzero_ps(), |s, x| _mm512_add_ps(s, *x));
         ((iters * CHAINS * 16) as u64, _mm512_reduce_add_ps(sum))
+    }
+
+    /// Unsigned by signed bytes, pairs into 16-bit sums: 32 multiply-adds an instruction (the int8
+    /// kernels' multiply on CPUs without VNNI; each chain feeds its sums back as its next bytes).
+    /// SAFETY: the CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn maddubs_256(iters: usize) -> (u64, f32) {
+        let b = _mm256_set1_epi8(-2);
+        let acc: [_; CHAINS_256] = chains(iters, _mm256_set1_epi8(3), |x| _mm256_maddubs_epi16(x, b));
+        let sum = acc.iter().fold(_mm256_setzero_si256(), |s, x| _mm256_add_epi16(s, *x));
+        ((iters * CHAINS_256 * 32) as u64, _mm256_extract_epi16::<0>(sum) as f32)
     }
 
     /// Unsigned by signed bytes, four to each 32-bit sum: 64 multiply-adds an instruction.
