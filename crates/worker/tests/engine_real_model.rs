@@ -137,9 +137,10 @@ fn greedy_output_follows_llama_cpp_on_the_same_weights() {
     // llama.cpp computes with the file's Q4_1 weights and Q8 activations in blocks of 32, so compare
     // without our Q8_0 re-quantization and repacking (either changes near-ties, as any change of
     // quantization does). Summation order still differs from llama.cpp's kernels, so require long
-    // agreement rather than all 32 tokens. Measured: 32, 32, 13 and 32 of 32 tokens on our AVX-512
-    // VNNI kernel (which sums each block's 32 products exactly before scaling them; llama.cpp
-    // scales partial sums of 4), 32 of 32 on each prompt on candle's Q4_1 kernel.
+    // agreement rather than all 32 tokens. Measured: 32, 32, 13 and 32 of 32 tokens on our int8
+    // kernels (AVX-512 VNNI or AVX2, the same bits; they sum each block's 32 products exactly
+    // before scaling them; llama.cpp scales partial sums of 4), 32 of 32 on each prompt on
+    // candle's Q4_1 kernel.
     let opts = LoadOptions { requantize: false, repack: false, ..LoadOptions::default() };
     assert_greedy_follows_llama_cpp(
         &default_model_path(),
@@ -155,7 +156,7 @@ fn gemma3_greedy_output_follows_llama_cpp_including_beyond_its_sliding_window() 
     // Gemma 3 270M (Q4_K_M: Q5_0, Q8_0, Q4_K and Q6_K tensors), on the file's own quantization as
     // above. The last prompt is 905 tokens long, its answer at the start: local layers see only
     // the last 512 positions, so a wrong window changes its tokens. Measured: 32 of 32 tokens on
-    // every prompt where its Q8_0 tensors run on our AVX-512 VNNI kernel, 4, 18, 32, 32 and 32 on
+    // every prompt where its Q8_0 tensors run on our int8 kernels (AVX-512 VNNI or AVX2), 4, 18, 32, 32 and 32 on
     // candle's (the first two prompts part at near-ties, as different summation orders do).
     let path = cached_model_path("gemma-3-270m-q4_k_m.gguf");
     let opts = LoadOptions { requantize: false, repack: false, ..LoadOptions::default() };

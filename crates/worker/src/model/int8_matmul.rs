@@ -266,8 +266,8 @@ impl Int8Weights {
                 let first = span * MAX_ROWS * ITEM_PASSES;
                 let count = (MAX_ROWS * ITEM_PASSES).min(m - first);
                 // SAFETY: each (row, column) of `out` belongs to exactly one item; the kernel
-                // writes only the columns below `n` of its rows. `available` was checked before
-                // any `Int8Weights` was made.
+                // writes only the columns below `n` of its rows. `for_isa` checked that the CPU
+                // runs `self.isa`'s kernels before any `Int8Weights` was made.
                 unsafe { self.passes(rows, first..first + count, tile, out_at as *mut f32) };
             }
         };

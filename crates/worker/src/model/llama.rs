@@ -46,7 +46,7 @@ pub struct LoadOptions {
     /// Q4_1 stays as it is where our int8 kernels take it.
     pub requantize: bool,
     /// Zero-pad matmul inputs so candle's repacked Q8_0 kernels apply, where the CPU has them and
-    /// our VNNI kernels do not take the matrix (about 1.5x faster decode on the default model;
+    /// our int8 kernels do not take the matrix (about 1.5x faster decode on the default model;
     /// activations are then quantized per 256 values instead of per 32).
     pub repack: bool,
     /// Show a progress bar on stderr while loading (hidden when stderr is not a terminal).

@@ -611,7 +611,7 @@ fn qk_block<E: KvElement, const R: usize>(
         // SAFETY: AVX2, FMA and F16C are present (checked at run time); every key read is below
         // `hd * block_size` (asserted above); each output holds `slots.len()` floats of its own.
         let done = unsafe { qk_block_avx2(qp, keys.as_ptr(), block_size, hd, slots.clone(), scale, op) };
-        // The last slots, fewer than a register's eight, one at a time.
+        // The last slots, fewer than a register's eight, on the portable loop.
         let out = out.map(|o| &mut o[done..]);
         qk_block_portable(q, keys, block_size, slots.start + done..slots.end, scale, out);
         return;
