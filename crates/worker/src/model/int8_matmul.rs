@@ -13,8 +13,8 @@
 //! size (Q4_1: 16 bytes of nibbles and two f16 per 32 values), and the row count of a pass is a
 //! compile-time constant, so its sums stay in registers. (On AVX2 alone candle has only its
 //! generic kernel, which sums each row against each column on its own, re-reading the weights for
-//! every row; an earlier kernel of ours kept its bits and tiled it, and this one is 1.3-1.8x that
-//! on Q8_0 and 1.7-2.4x on Q4_1, one row to 256: docs/BENCHMARKS.md.)
+//! every row; an earlier kernel of ours kept its bits and tiled it, and this one is 1.1-1.9x that
+//! on the same Q8_0 matrices and 1.8-3.3x on Q4_1 ones, one row to 256: docs/BENCHMARKS.md.)
 //!
 //! Layout: the weights go in tiles of 16 output columns; per tile and input block, the quants of
 //! the 16 columns lie as [4-input group][column][4 inputs] (`vpdpbusd`'s shape), beside the 16
