@@ -20,7 +20,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use bellows_common::constraint::Constraint;
+use bellows_common::constraint::{Constraint, JsonBounds};
 
 mod peak;
 
@@ -253,16 +253,30 @@ fn bench_decode(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     )
 }
 
-/// A schema no answer of `--decode-tokens` can complete: JSON structure and free text mixed, as
-/// a model writing a long structured answer produces.
+/// A schema no answer of `--decode-tokens` can complete: JSON structure, free text and numbers
+/// mixed, as a model writing a long structured answer produces. Unbounded numbers, as users
+/// write them; the bench compiles them with the router's default bounds.
 fn endless_schema() -> Value {
     json!({
         "type": "object",
         "properties": {
             "title": {"type": "string", "maxLength": 60},
-            "paragraphs": {"type": "array", "items": {"type": "string", "maxLength": 160}, "minItems": 64},
+            "readings": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "note": {"type": "string", "maxLength": 80},
+                        "level": {"type": "number"},
+                        "count": {"type": "integer"},
+                    },
+                    "required": ["note", "level", "count"],
+                    "additionalProperties": false,
+                },
+                "minItems": 64,
+            },
         },
-        "required": ["title", "paragraphs"],
+        "required": ["title", "readings"],
         "additionalProperties": false,
     })
 }
@@ -291,7 +305,7 @@ fn bench_constrained(ctx: &Ctx, a: &BenchArgs) -> Result<Value> {
     let engine = ctx.engine(EngineConfig::default())?;
     let h = engine.handle();
     let schema_json = endless_schema();
-    let schema = Constraint::JsonSchema(schema_json.clone());
+    let schema = Constraint::json_schema(schema_json.clone(), JsonBounds::Bounded);
     let constrained = |p: Vec<u32>| GenerateRequest { constraint: Some(schema.clone()), ..greedy(p, a.decode_tokens) };
     let free = |p: Vec<u32>| greedy(p, a.decode_tokens);
     let mut rows = Vec::new();

@@ -19,7 +19,7 @@
 //!    step: running streams keep their pace, long prompts take longer;
 //! 5. runs the model once, samples every row that reached its end, and streams each request's
 //!    text to its own channel. Rows with a grammar (structured outputs) have their token masks
-//!    computed on another thread while the forward pass runs, and applied before sampling; a
+//!    computed on the compute pool before the forward pass, and applied before sampling; a
 //!    step with no such row starts no thread, so unconstrained traffic pays nothing.
 //!
 //! All per-request state lives in [`Sequence`], found by position only within one tick; a
@@ -425,15 +425,8 @@ impl Scheduler {
                 }
             })
             .collect();
-        let (result, masks) = std::thread::scope(|scope| {
-            // Masks depend only on each row's own committed tokens: compute them while the
-            // forward runs.
-            let masks = (!grammars.is_empty()).then(|| {
-                scope.spawn(|| grammars.iter_mut().map(|(seq, g)| (*seq, g.mask())).collect::<HashMap<_, _>>())
-            });
-            let result = catch_unwind(AssertUnwindSafe(|| backend.forward(&rows)));
-            (result, masks.map(|h| h.join().expect("mask computation does not panic")).unwrap_or_default())
-        });
+        let masks = Self::masks(&mut grammars);
+        let result = catch_unwind(AssertUnwindSafe(|| backend.forward(&rows)));
         drop(rows);
         for (seq, g) in grammars.drain(..) {
             self.running[seq].grammar = Some(g);
@@ -465,8 +458,19 @@ impl Scheduler {
         true
     }
 
+    /// Each constrained row's mask, the rows split across the compute pool, before the forward.
+    /// A mask depends only on its row's committed tokens. Not on a thread beside the forward: the
+    /// pool's threads meet at barriers, so a thread that takes a core from one of them stalls the
+    /// whole pass (docs/BENCHMARKS.md, structured outputs).
+    fn masks(grammars: &mut [(usize, Grammar)]) -> HashMap<usize, Result<TokenMask, ConstraintError>> {
+        let mut work: Vec<(&mut (usize, Grammar), Option<Result<TokenMask, ConstraintError>>)> =
+            grammars.iter_mut().map(|g| (g, None)).collect();
+        for_each_mut(&mut work, |(g, out)| *out = Some(g.1.mask()));
+        work.into_iter().map(|(g, out)| (g.0, out.expect("every grammar was masked"))).collect()
+    }
+
     /// The grammars of this step's constrained rows that will sample, moved out of their
-    /// sequences for the mask thread (and put back after the forward).
+    /// sequences for the mask computation (and put back after the forward).
     fn take_grammars(&mut self, plan: &[Planned]) -> Vec<(usize, Grammar)> {
         let mut taken = Vec::new();
         for p in plan {

@@ -79,6 +79,71 @@ fn value(rng: &mut Rng, depth: u32) -> Value {
     }
 }
 
+/// Short-answer schema number `seed`, for the test that every answer ends: an object of 2-4
+/// required fields, none of them bounded by the schema: integers, numbers, booleans, enums,
+/// nested objects and arrays with `maxItems` (no free strings, whose length is the model's to
+/// choose). Its shortest valid answer is [`shortest`].
+pub fn short_schema(seed: u64) -> Value {
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x2545_f491);
+    short_object(&mut rng, 0)
+}
+
+fn short_object(rng: &mut Rng, depth: u32) -> Value {
+    let n = 2 + rng.below(3);
+    let mut properties = Map::new();
+    for i in 0..n {
+        let name = format!("{}_{i}", ["count", "price", "ok", "kind", "size", "year"][rng.below(6) as usize]);
+        properties.insert(name, short_value(rng, depth + 1));
+    }
+    let required: Vec<Value> = properties.keys().cloned().map(Value::String).collect();
+    json!({"type": "object", "properties": properties, "required": required, "additionalProperties": false})
+}
+
+fn short_value(rng: &mut Rng, depth: u32) -> Value {
+    let kinds = if depth >= 2 { 4 } else { 6 };
+    match rng.below(kinds) {
+        0 => json!({"type": "integer"}),
+        1 => json!({"type": "number"}),
+        2 => json!({"type": "boolean"}),
+        3 => {
+            let sets: [&[&str]; 3] = [&["small", "large"], &["red", "green", "blue"], &["yes", "no", "maybe"]];
+            json!({"enum": sets[rng.below(3) as usize]})
+        }
+        4 => short_object(rng, depth),
+        _ => {
+            let item = [json!({"type": "integer"}), json!({"type": "number"}), json!({"type": "boolean"})]
+                [rng.below(3) as usize]
+                .clone();
+            json!({"type": "array", "items": item, "minItems": rng.below(2), "maxItems": 2 + rng.below(3)})
+        }
+    }
+}
+
+/// The shortest valid answer to a [`short_schema`], laid out as structured outputs are.
+pub fn shortest(schema: &Value) -> String {
+    if let Some(choices) = schema["enum"].as_array() {
+        return choices.iter().map(Value::to_string).min_by_key(String::len).unwrap();
+    }
+    match schema["type"].as_str() {
+        Some("integer" | "number") => "0".into(),
+        Some("boolean") => "true".into(),
+        Some("array") => {
+            let items = vec![shortest(&schema["items"]); schema["minItems"].as_u64().unwrap_or(0) as usize];
+            format!("[{}]", items.join(", "))
+        }
+        Some("object") => {
+            let fields: Vec<String> = schema["properties"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), shortest(v)))
+                .collect();
+            format!("{{{}}}", fields.join(", "))
+        }
+        other => panic!("not a short schema's type: {other:?}"),
+    }
+}
+
 /// Check `instance` against `schema` with a JSON Schema validator (formats included).
 pub fn validate(schema: &Value, instance: &Value) -> Result<(), String> {
     let validator = jsonschema::options()
@@ -113,6 +178,29 @@ mod tests {
         for feature in ["\"enum\"", "\"format\"", "\"pattern\"", "\"anyOf\"", "\"maxItems\"", "\"required\":[]"] {
             assert!(text.contains(feature), "no schema uses {feature}");
         }
+    }
+
+    #[test]
+    fn the_shortest_answer_to_a_short_schema_is_valid_and_has_no_free_strings() {
+        let all: Vec<Value> = (0..50).map(short_schema).collect();
+        let text = all.iter().map(Value::to_string).collect::<String>();
+        for feature in [
+            "\"integer\"",
+            "\"number\"",
+            "\"boolean\"",
+            "\"enum\"",
+            "\"maxItems\"",
+            "\"properties\":{\"",
+            "\"minItems\":1",
+        ] {
+            assert!(text.contains(feature), "no short schema uses {feature}");
+        }
+        assert!(!text.contains("\"string\""), "a free string's length is the model's to choose");
+        for (i, s) in all.iter().enumerate() {
+            check_output(s, &shortest(s)).unwrap_or_else(|e| panic!("short schema {i}: {e}"));
+        }
+        let s = json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "minItems": 1}, "b": {"enum": ["red", "no"]}}});
+        assert_eq!(shortest(&s), r#"{"a": [0], "b": "no"}"#);
     }
 
     #[test]

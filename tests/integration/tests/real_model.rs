@@ -96,6 +96,49 @@ async fn answers_to_twenty_generated_schemas_from_the_real_model_validate_whole_
     assert!(stopped >= 30, "only {stopped} of 40 answers finished within max_tokens");
 }
 
+/// Schemas whose shortest answer is short, several prompts, greedy and sampled: every answer ends
+/// by itself within a few times its shortest length, and validates. Unbounded numbers and free
+/// whitespace are paths that need not end; a small model takes them (docs/structured-outputs.md).
+#[tokio::test]
+async fn every_answer_to_a_short_schema_ends_by_itself_within_a_few_times_its_shortest_length() {
+    const PROMPTS: [&str; 3] = [
+        "Fill in this form with realistic values, as JSON.",
+        "Describe the last thing you bought as a JSON record.",
+        "Count the sheep in the field and report the totals as JSON.",
+    ];
+    let (_worker, router) = real_cluster().await;
+    let router = &router;
+    let cases: Vec<(u64, &str, f32)> =
+        (0..10u64).flat_map(|i| PROMPTS.iter().flat_map(move |p| [0.0, 1.0].map(|t| (i, *p, t)))).collect();
+    let total = cases.len();
+    let results: Vec<(u64, usize, (String, String))> = stream::iter(cases)
+        .map(|(i, prompt, temperature)| async move {
+            let schema = schemas::short_schema(i);
+            let budget = 4 * schemas::shortest(&schema).len();
+            let body = json!({
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": prompt}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "record", "schema": schema}},
+                "max_tokens": budget,
+                "temperature": temperature,
+                "seed": i,
+            });
+            (i, budget, router.choices("/v1/chat/completions", &body).await.remove(0))
+        })
+        .buffer_unordered(4)
+        .collect()
+        .await;
+    let mut by_length = Vec::new();
+    for (i, budget, (text, finish)) in results {
+        if finish == "stop" {
+            schemas::check_output(&schemas::short_schema(i), &text).unwrap_or_else(|e| panic!("short schema {i}: {e}"));
+        } else {
+            by_length.push(format!("schema {i} ({budget} tokens, {finish}): {text}"));
+        }
+    }
+    assert!(by_length.is_empty(), "{} of {total} answers did not end:\n{}", by_length.len(), by_length.join("\n"));
+}
+
 #[tokio::test]
 async fn a_gemma3_worker_serves_through_the_router_which_tokenizes_its_sentencepiece_vocabulary_like_llama_cpp() {
     // Gemma 3's tokenizer.json (262,144 pieces and their merges) is far over gRPC's default 4 MiB

@@ -95,6 +95,34 @@ async fn json_object_regex_grammar_and_choice_constrain_the_answer() {
     assert!(text.starts_with(" t"), "text is free: {text:?}");
 }
 
+/// A simulated worker picks among the allowed tokens at random, so it takes any open path: with
+/// the default bounds an integer fits an i64 and a number stays short; `bounded_json: false` lifts
+/// them.
+#[tokio::test]
+async fn json_numbers_are_bounded_by_default_and_bounded_json_false_lifts_the_bounds() {
+    let (_workers, router) = cluster().await;
+    let router = &router;
+    let answers = |schema: Value, bounded: bool| async move {
+        let body =
+            chat(40, json!({"guided_json": schema, "n": 16, "temperature": 1.0, "seed": 3, "bounded_json": bounded}));
+        router.choices("/v1/chat/completions", &body).await
+    };
+    for (text, finish) in answers(json!({"type": "integer"}), true).await {
+        assert_eq!(finish, "stop", "{text}");
+        text.parse::<i64>().unwrap_or_else(|e| panic!("{text:?} is not an i64: {e}"));
+    }
+    for (text, finish) in answers(json!({"type": "number"}), true).await {
+        assert_eq!(finish, "stop", "{text}");
+        let (whole, fraction) = text.trim_start_matches('-').split_once('.').unwrap_or((&text, ""));
+        assert!(whole.len() <= 16 && fraction.len() <= 10 && !text.contains(['e', 'E']), "{text:?}");
+    }
+    let unbounded = answers(json!({"type": "integer"}), false).await;
+    assert!(unbounded.iter().any(|(text, _)| text.parse::<i64>().is_err()), "{unbounded:?}");
+    let (status, _, body) =
+        router.post("/v1/chat/completions", &chat(5, json!({"guided_json": {}, "bounded_json": "no"}))).await;
+    assert_eq!((status, &body["error"]["param"]), (400, &json!("bounded_json")), "{body}");
+}
+
 #[tokio::test]
 async fn a_bad_constraint_is_a_400_naming_its_field_and_pointer_before_any_worker_is_used() {
     let (_workers, router) = cluster().await;

@@ -384,7 +384,7 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
 /// CPU each), before anything else is spent.
 async fn check_constraints(state: &AppState, family: Option<Family>, job: &mut Job) -> Result<(), ApiError> {
     if let (Some(tools), Some(family)) = (&job.tools, family)
-        && let Some(c) = tools.constraint(family)
+        && let Some(c) = tools.constraint(family, job.json_bounds)
     {
         job.params.structured = Some(Structured { constraint: c, param: "tool_choice" });
     }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use bellows_common::{
     chat_template::{ChatMessage, RESERVED_TEMPLATE_VARIABLES, TemplateKwargs},
-    constraint::{Constraint, SchemaError},
+    constraint::{Constraint, JsonBounds, SchemaError},
     priority::Priority,
     sampling_limits::{self as limits, Range},
 };
@@ -97,6 +97,8 @@ pub struct Job {
     /// vLLM's `cache_salt`: only requests with the same salt (and tenant) share prefix-cache
     /// blocks.
     pub cache_salt: Option<String>,
+    /// Whether the JSON numbers of its constraint (and forced tool calls) get the default bounds.
+    pub json_bounds: JsonBounds,
 }
 
 impl Job {
@@ -153,6 +155,8 @@ struct RawRequest {
     guided_choice: Option<Vec<String>>,
     chat_template_kwargs: Option<TemplateKwargs>,
     cache_salt: Option<String>,
+    // Bellows' own: `false` lifts the default bounds on JSON numbers (docs/structured-outputs.md).
+    bounded_json: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -212,7 +216,9 @@ fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
     let top_logprobs = top_logprobs(endpoint, raw.logprobs.take(), raw.top_logprobs)?;
     let tools = tools(&input, raw.tools.take(), raw.tool_choice.take(), raw.parallel_tool_calls)?;
     let chat_template_kwargs = chat_template_kwargs(&input, raw.chat_template_kwargs.take())?;
+    let json_bounds = if raw.bounded_json == Some(false) { JsonBounds::Unbounded } else { JsonBounds::Bounded };
     let structured = structured(
+        json_bounds,
         raw.response_format.take(),
         raw.guided_json.take(),
         raw.guided_regex.take(),
@@ -249,6 +255,7 @@ fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
         priority,
         chat_template_kwargs,
         cache_salt,
+        json_bounds,
     })
 }
 
@@ -441,6 +448,7 @@ fn top_logprobs(endpoint: Endpoint, logprobs: Option<Value>, top: Option<i64>) -
 /// The one constraint a request may carry: OpenAI's `response_format` or one of vLLM's
 /// `guided_*` fields. Only the shape is checked here; [`check_structured`] compiles it.
 fn structured(
+    bounds: JsonBounds,
     response_format: Option<Value>,
     guided_json: Option<Value>,
     guided_regex: Option<String>,
@@ -449,7 +457,7 @@ fn structured(
 ) -> Result<Option<Structured>, ApiError> {
     let mut given = Vec::new();
     if let Some(f) = response_format
-        && let Some(c) = response_format_constraint(f)?
+        && let Some(c) = response_format_constraint(f, bounds)?
     {
         given.push(Structured { constraint: c, param: "response_format" });
     }
@@ -461,7 +469,7 @@ fn structured(
             Value::Object(_) => schema,
             _ => return Err(ApiError::invalid("guided_json", "'guided_json' must be a JSON Schema object")),
         };
-        given.push(Structured { constraint: Constraint::JsonSchema(schema), param: "guided_json" });
+        given.push(Structured { constraint: Constraint::json_schema(schema, bounds), param: "guided_json" });
     }
     if let Some(rx) = guided_regex {
         given.push(Structured { constraint: Constraint::Regex(rx), param: "guided_regex" });
@@ -494,12 +502,12 @@ fn choice_constraint(choices: &[String]) -> Result<Constraint, ApiError> {
 
 /// OpenAI's `response_format`: `text` (no constraint), `json_object`, or `json_schema` with
 /// `{name, schema, strict, description}` (an absent schema allows any JSON value).
-fn response_format_constraint(f: Value) -> Result<Option<Constraint>, ApiError> {
+fn response_format_constraint(f: Value, bounds: JsonBounds) -> Result<Option<Constraint>, ApiError> {
     let bad = |m: &str| ApiError::invalid("response_format", m.to_string());
     let Value::Object(f) = f else { return Err(bad("'response_format' must be an object")) };
     match f.get("type").and_then(Value::as_str) {
         Some("text") => Ok(None),
-        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        Some("json_object") => Ok(Some(Constraint::json_object(bounds))),
         Some("json_schema") => {
             let Some(Value::Object(js)) = f.get("json_schema") else {
                 return Err(bad("'response_format.json_schema' is required for type 'json_schema'"));
@@ -519,8 +527,10 @@ fn response_format_constraint(f: Value) -> Result<Option<Constraint>, ApiError> 
                 return Err(bad("'response_format.json_schema.strict' must be a boolean"));
             }
             match js.get("schema") {
-                None | Some(Value::Null) => Ok(Some(Constraint::JsonSchema(Value::Object(Default::default())))),
-                Some(s @ Value::Object(_)) => Ok(Some(Constraint::JsonSchema(s.clone()))),
+                None | Some(Value::Null) => {
+                    Ok(Some(Constraint::json_schema(Value::Object(Default::default()), bounds)))
+                }
+                Some(s @ Value::Object(_)) => Ok(Some(Constraint::json_schema(s.clone(), bounds))),
                 Some(_) => Err(bad("'response_format.json_schema.schema' must be a JSON Schema object")),
             }
         }

@@ -8,7 +8,7 @@
 pub mod parser;
 pub mod prompt;
 
-use bellows_common::constraint::Constraint;
+use bellows_common::constraint::{Constraint, JsonBounds, embedded_schema};
 use serde_json::{Value, json};
 
 pub use parser::{Family, ParsedCall, Piece, ToolCallParser};
@@ -97,8 +97,8 @@ impl Tools {
 
     /// For `required` or a named function: a grammar whose every sentence is a well-formed call
     /// (or several, when parallel) in the family's syntax, with arguments matching the function's
-    /// schema. `None` for `auto` and `none`.
-    pub fn constraint(&self, family: Family) -> Option<Constraint> {
+    /// schema, its numbers bounded as `bounds` says. `None` for `auto` and `none`.
+    pub fn constraint(&self, family: Family, bounds: JsonBounds) -> Option<Constraint> {
         let allowed: Vec<&ToolSpec> = match &self.choice {
             ToolChoice::None | ToolChoice::Auto => return None,
             ToolChoice::Required => self.specs.iter().collect(),
@@ -120,11 +120,12 @@ impl Tools {
         let grammar = match family {
             Family::Hermes => {
                 let more = if self.parallel { " (\"\\n\" call)*" } else { "" };
+                let call = embedded_schema(call, bounds);
                 format!("start: call{more}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {call}")
             }
             Family::Llama3Json => {
                 let more = if self.parallel { " (\"; \" body)*" } else { "" };
-                format!("start: body{more}\nbody: %json {call}")
+                format!("start: body{more}\nbody: %json {}", embedded_schema(call, bounds))
             }
             Family::Mistral => {
                 let max = if self.parallel { json!(null) } else { json!(1) };
@@ -132,7 +133,7 @@ impl Tools {
                 if !max.is_null() {
                     array["maxItems"] = max;
                 }
-                format!("start: \"[TOOL_CALLS]\" calls\ncalls: %json {array}")
+                format!("start: \"[TOOL_CALLS]\" calls\ncalls: %json {}", embedded_schema(array, bounds))
             }
         };
         Some(Constraint::Lark(grammar))
@@ -157,17 +158,21 @@ mod tests {
         for family in [Family::Hermes, Family::Llama3Json, Family::Mistral] {
             for choice in [ToolChoice::Required, ToolChoice::Named("time".into())] {
                 for parallel in [true, false] {
-                    let c = tools(choice.clone(), parallel).constraint(family).expect("a forced grammar");
+                    let c = tools(choice.clone(), parallel)
+                        .constraint(family, JsonBounds::Bounded)
+                        .expect("a forced grammar");
                     assert_eq!(c.check(), Ok(()), "{family:?} {choice:?} parallel={parallel}: {c:?}");
                 }
             }
-            assert_eq!(tools(ToolChoice::Auto, true).constraint(family), None);
+            assert_eq!(tools(ToolChoice::Auto, true).constraint(family, JsonBounds::Bounded), None);
         }
     }
 
     #[test]
     fn a_named_choice_admits_only_that_function() {
-        let Some(Constraint::Lark(g)) = tools(ToolChoice::Named("time".into()), true).constraint(Family::Hermes) else {
+        let Some(Constraint::Lark(g)) =
+            tools(ToolChoice::Named("time".into()), true).constraint(Family::Hermes, JsonBounds::Bounded)
+        else {
             panic!("a Lark grammar")
         };
         assert!(g.contains("\"time\"") && !g.contains("\"weather\""), "{g}");

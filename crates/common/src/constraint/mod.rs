@@ -9,6 +9,8 @@
 //! clock, so a grammar too large or too slow to build is refused the same way on every machine
 //! instead of being left to hang a worker.
 
+mod bounds;
+
 use std::sync::{Arc, LazyLock};
 
 use llguidance::{
@@ -17,6 +19,8 @@ use llguidance::{
     toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie},
 };
 use serde_json::Value;
+
+pub use self::bounds::{FRACTION_DIGITS, INTEGER_LIMIT, NUMBER_LIMIT};
 
 /// What a request's output must match.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,6 +33,26 @@ pub enum Constraint {
     Regex(String),
     /// A context-free grammar in llguidance's Lark dialect.
     Lark(String),
+}
+
+/// Whether a request's JSON numbers get the default bounds (see [`bounds`]): an integer within
+/// int64, a number a plain decimal of bounded length. Users who need wider values than their
+/// schema says turn them off per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum JsonBounds {
+    #[default]
+    Bounded,
+    Unbounded,
+}
+
+impl JsonBounds {
+    /// `schema` with its numbers bounded as this says.
+    pub fn apply(self, mut schema: Value) -> Value {
+        if self == JsonBounds::Bounded {
+            bounds::bound_numbers(&mut schema);
+        }
+        schema
+    }
 }
 
 /// Why a constraint cannot be used. The message is the constraint engine's own, which names the
@@ -52,6 +76,19 @@ pub fn limits() -> ParserLimits {
 }
 
 impl Constraint {
+    /// A JSON Schema constraint, its numbers bounded as `bounds` says.
+    pub fn json_schema(schema: Value, bounds: JsonBounds) -> Constraint {
+        Constraint::JsonSchema(bounds.apply(schema))
+    }
+
+    /// Any JSON object, its numbers (at any depth) bounded as `bounds` says.
+    pub fn json_object(bounds: JsonBounds) -> Constraint {
+        match bounds {
+            JsonBounds::Bounded => Constraint::JsonSchema(bounds::bounded_object()),
+            JsonBounds::Unbounded => Constraint::JsonObject,
+        }
+    }
+
     /// The llguidance grammar this constraint compiles to.
     pub fn grammar(&self) -> TopLevelGrammar {
         match self {
@@ -81,6 +118,12 @@ impl Constraint {
         };
         Err(SchemaError { message: e.0, pointer })
     }
+}
+
+/// A JSON Schema as a grammar embeds it (Lark's `%json`, as tool calls do): numbers bounded as
+/// `bounds` says, laid out as [`Constraint::JsonSchema`] is.
+pub fn embedded_schema(schema: Value, bounds: JsonBounds) -> Value {
+    compact(&bounds.apply(schema))
 }
 
 /// JSON on one line, with `", "` and `": "` between items (as Python's `json.dumps` writes it):
@@ -166,34 +209,70 @@ fn locate(root: &Value, message: &str) -> Option<String> {
     (!pointer.is_empty()).then_some(pointer)
 }
 
+/// How a keyword holds subschemas, if it does.
+enum Holds {
+    /// An object of them (`properties`, `$defs`).
+    Named,
+    /// An array of them (`anyOf`, `prefixItems`).
+    Listed,
+    /// One (`items`, `not`).
+    One,
+}
+
+fn holds(key: &str, value: &Value) -> Option<Holds> {
+    match (key, value) {
+        ("properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas", Value::Object(_)) => {
+            Some(Holds::Named)
+        }
+        ("anyOf" | "oneOf" | "allOf" | "prefixItems" | "items", Value::Array(_)) => Some(Holds::Listed),
+        (
+            "items"
+            | "additionalProperties"
+            | "not"
+            | "if"
+            | "then"
+            | "else"
+            | "contains"
+            | "propertyNames"
+            | "additionalItems"
+            | "unevaluatedProperties"
+            | "unevaluatedItems",
+            Value::Object(_),
+        ) => Some(Holds::One),
+        _ => None,
+    }
+}
+
 /// The direct subschemas of a schema, with their pointer suffixes.
 fn subschemas(schema: &Value) -> Vec<(String, &Value)> {
     let escape = |k: &str| k.replace('~', "~0").replace('/', "~1");
     let Value::Object(map) = schema else { return Vec::new() };
     let mut out = Vec::new();
     for (key, value) in map {
-        match (key.as_str(), value) {
-            ("properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas", Value::Object(m)) => {
+        match (holds(key, value), value) {
+            (Some(Holds::Named), Value::Object(m)) => {
                 out.extend(m.iter().map(|(k, v)| (format!("/{}/{}", escape(key), escape(k)), v)));
             }
-            ("anyOf" | "oneOf" | "allOf" | "prefixItems" | "items", Value::Array(a)) => {
+            (Some(Holds::Listed), Value::Array(a)) => {
                 out.extend(a.iter().enumerate().map(|(i, v)| (format!("/{key}/{i}"), v)));
             }
-            (
-                "items"
-                | "additionalProperties"
-                | "not"
-                | "if"
-                | "then"
-                | "else"
-                | "contains"
-                | "propertyNames"
-                | "additionalItems"
-                | "unevaluatedProperties"
-                | "unevaluatedItems",
-                Value::Object(_),
-            ) => out.push((format!("/{key}"), value)),
+            (Some(Holds::One), _) => out.push((format!("/{key}"), value)),
             _ => {}
+        }
+    }
+    out
+}
+
+/// The direct subschemas of a schema, to rewrite in place.
+fn subschemas_mut(schema: &mut Value) -> Vec<&mut Value> {
+    let Value::Object(map) = schema else { return Vec::new() };
+    let mut out = Vec::new();
+    for (key, value) in map.iter_mut() {
+        match holds(key, value) {
+            Some(Holds::Named) => out.extend(value.as_object_mut().into_iter().flat_map(|m| m.values_mut())),
+            Some(Holds::Listed) => out.extend(value.as_array_mut().into_iter().flat_map(|a| a.iter_mut())),
+            Some(Holds::One) => out.push(value),
+            None => {}
         }
     }
     out
@@ -209,11 +288,46 @@ fn clean(message: &str) -> String {
     }
 }
 
+/// Whether the whole of `text` is a complete output of `c`, compiled over single bytes.
+#[cfg(test)]
+fn accepts(c: &Constraint, text: &str) -> bool {
+    let env = ApproximateTokEnv::single_byte_env();
+    let tokens = env.tokenize_bytes(text.as_bytes());
+    let parser = factory(env).unwrap().create_parser(c.grammar()).unwrap();
+    let mut m = llguidance::Matcher::new(Ok(parser));
+    m.validate_tokens(&tokens).unwrap() == tokens.len()
+        && m.consume_tokens(&tokens).is_ok()
+        && m.is_accepting().unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn json_is_laid_out_compactly_between_tokens_and_freely_inside_strings() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "string"}}}});
+        for c in [Constraint::JsonObject, Constraint::json_schema(schema, JsonBounds::Bounded)] {
+            assert!(accepts(&c, r#"{"a": 1, "b": ["x  y\n"]}"#), "{c:?}");
+            for loose in [r#"{"a":1}"#, "{\n\"a\": 1}", r#"{"a": 1 }"#, r#"{"a": 1,"b": []}"#] {
+                assert!(!accepts(&c, loose), "{c:?} took {loose:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_schema_embedded_in_a_grammar_is_bounded_and_laid_out_compactly() {
+        let args = json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+        let lark =
+            |bounds| Constraint::Lark(format!("start: \"<call>\" %json {}", embedded_schema(args.clone(), bounds)));
+        let c = lark(JsonBounds::Bounded);
+        assert!(accepts(&c, r#"<call>{"n": 42}"#));
+        assert!(!accepts(&c, r#"<call>{"n":42}"#), "compact");
+        assert!(!accepts(&c, r#"<call>{"n": 12345678901234567890}"#), "bounded");
+        assert!(accepts(&lark(JsonBounds::Unbounded), r#"<call>{"n": 12345678901234567890}"#));
+    }
 
     #[test]
     fn a_valid_schema_regex_and_grammar_compile() {
