@@ -51,6 +51,9 @@ use crate::{
     vocab::Vocab,
 };
 
+/// One row's mask for a step, or why its grammar allows nothing.
+type MaskResult = Result<TokenMask, ConstraintError>;
+
 /// Scheduling knobs.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct SchedulerConfig {
@@ -462,8 +465,8 @@ impl Scheduler {
     /// A mask depends only on its row's committed tokens. Not on a thread beside the forward: the
     /// pool's threads meet at barriers, so a thread that takes a core from one of them stalls the
     /// whole pass (docs/BENCHMARKS.md, structured outputs).
-    fn masks(grammars: &mut [(usize, Grammar)]) -> HashMap<usize, Result<TokenMask, ConstraintError>> {
-        let mut work: Vec<(&mut (usize, Grammar), Option<Result<TokenMask, ConstraintError>>)> =
+    fn masks(grammars: &mut [(usize, Grammar)]) -> HashMap<usize, MaskResult> {
+        let mut work: Vec<(&mut (usize, Grammar), Option<MaskResult>)> =
             grammars.iter_mut().map(|g| (g, None)).collect();
         for_each_mut(&mut work, |(g, out)| *out = Some(g.1.mask()));
         work.into_iter().map(|(g, out)| (g.0, out.expect("every grammar was masked"))).collect()
