@@ -20,7 +20,7 @@
 //! 5. runs the model once, samples every row that reached its end, and streams each request's
 //!    text to its own channel. Rows with a grammar (structured outputs) have their token masks
 //!    computed on the compute pool before the forward pass, and applied before sampling; a
-//!    step with no such row starts no thread, so unconstrained traffic pays nothing.
+//!    step with no such row does no mask work, so unconstrained traffic pays nothing.
 //!
 //! All per-request state lives in [`Sequence`], found by position only within one tick; a
 //! request finishing mid-batch cannot shift another's sampler, stop strings or channel.
@@ -466,6 +466,9 @@ impl Scheduler {
     /// pool's threads meet at barriers, so a thread that takes a core from one of them stalls the
     /// whole pass (docs/BENCHMARKS.md, structured outputs).
     fn masks(grammars: &mut [(usize, Grammar)]) -> HashMap<usize, MaskResult> {
+        if grammars.is_empty() {
+            return HashMap::new(); // an unconstrained step wakes no pool thread
+        }
         let mut work: Vec<(&mut (usize, Grammar), Option<MaskResult>)> =
             grammars.iter_mut().map(|g| (g, None)).collect();
         for_each_mut(&mut work, |(g, out)| *out = Some(g.1.mask()));

@@ -6,7 +6,7 @@
 //! `max_tokens` runs out. So, unless the schema bounds it itself:
 //! - an `integer` lies within ±[`INTEGER_LIMIT`]: an int64, at most 19 digits and a sign;
 //! - a `number` is a plain decimal within ±[`NUMBER_LIMIT`] (the integers an f64 holds exactly)
-//!   with at most [`FRACTION_DIGITS`] fraction digits, and no exponent.
+//!   with at most 10 fraction digits ([`FRACTION_STEP`]), and no exponent.
 //!
 //! The bounds are schema keywords (`minimum`, `maximum`, `multipleOf`) that llguidance compiles
 //! into its own number lexemes, so the grammar stays llguidance's. A schema's own bound is kept
@@ -21,14 +21,13 @@ use super::subschemas_mut;
 
 /// The bound of an unbounded `integer`: 2^63 - 1024, the largest f64 below 2^63. llguidance reads
 /// bounds as f64 and negates the lower one as an i64, so -(2^63) would overflow.
-pub const INTEGER_LIMIT: i64 = 9_223_372_036_854_774_784;
+const INTEGER_LIMIT: i64 = 9_223_372_036_854_774_784;
 /// The bound of an unbounded `number`: 2^53 - 1, the largest integer with every smaller one
 /// exact in an f64.
-pub const NUMBER_LIMIT: i64 = 9_007_199_254_740_991;
-/// Fraction digits of an unbounded `number`, as the `multipleOf` step [`FRACTION_STEP`]:
-/// llguidance's `multipleOf` arithmetic is exact down to 1e-10 (a smaller step does not survive
-/// its conversion to a decimal).
-pub const FRACTION_DIGITS: usize = 10;
+const NUMBER_LIMIT: i64 = 9_007_199_254_740_991;
+/// The `multipleOf` step of an unbounded `number`, so at most 10 fraction digits: llguidance's
+/// `multipleOf` arithmetic is exact down to 1e-10 (a smaller step does not survive its
+/// conversion to a decimal).
 const FRACTION_STEP: f64 = 1e-10;
 
 /// Bound every `integer` and `number` subschema of `schema` that has no bound of its own.
@@ -139,7 +138,6 @@ mod tests {
         for too_long in ["3.14159265358", "9007199254740992", "1e5", "2.5E-3", "1.50000000000000"] {
             assert!(!accepts(&c, too_long), "{too_long}");
         }
-        assert_eq!(FRACTION_DIGITS, "1415926535".len());
     }
 
     #[test]

@@ -20,8 +20,6 @@ use llguidance::{
 };
 use serde_json::Value;
 
-pub use self::bounds::{FRACTION_DIGITS, INTEGER_LIMIT, NUMBER_LIMIT};
-
 /// What a request's output must match.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Constraint {
@@ -35,12 +33,11 @@ pub enum Constraint {
     Lark(String),
 }
 
-/// Whether a request's JSON numbers get the default bounds (see [`bounds`]): an integer within
-/// int64, a number a plain decimal of bounded length. Users who need wider values than their
-/// schema says turn them off per request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Whether a request's JSON numbers get the default bounds (docs/structured-outputs.md): an
+/// integer within int64, a number a plain decimal of bounded length. Users who need wider values
+/// than their schema says turn them off per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JsonBounds {
-    #[default]
     Bounded,
     Unbounded,
 }
