@@ -62,6 +62,11 @@ else
     synth_shape=()
 fi
 
+# The device every "GPU" row must run on: cuda, so that a broken CUDA fails the row instead of
+# serving it on the CPU. BELLOWS_GPU_CHECK_DEVICE=auto is for rehearsing on a CPU build, where the
+# report then refuses the rows (exit 3) because they did not run on CUDA.
+gpu_device="${BELLOWS_GPU_CHECK_DEVICE:-cuda}"
+
 # 1. Binaries and libraries.
 for f in bellows-worker worker-lib-tests; do
     [[ -f "$pack/bin/$f.zst" ]] || fail "missing $pack/bin/$f.zst: run scripts/build-cuda.sh --pack here and carry $pack/bin"
@@ -90,23 +95,24 @@ if [[ ! -f "$model" ]] || ! echo "$MODEL_SHA256  $model" | sha256sum -c --quiet 
 fi
 export BELLOWS_MODEL="$model" BELLOWS_MODEL_DIR="$run"
 
-# 3. Unit tests on the device (default_device() is the GPU in this build).
+# 3. Unit tests on the device (a CUDA build's device tests run on CUDA or fail, never on the CPU).
 log "device-attention unit tests"
-capped 60 "$run/worker-lib-tests" device_attention >"$out/unit-tests.txt" 2>&1
+capped 60 "$run/worker-lib-tests" device_attention cuda_asked_for >"$out/unit-tests.txt" 2>&1
 unit_rc=$?
 
 # 4. Greedy text, GPU against CPU (no visible device: the same binary on the CPU).
 log "greedy output, GPU against CPU"
 prompts=("Once upon a time" "The capital of France is" "def fibonacci(n):")
 for i in "${!prompts[@]}"; do
-    capped 30 "$run/bellows-worker" generate --prompt "${prompts[$i]}" --max-tokens 32 >"$out/gpu-$i.txt" 2>"$out/gpu-$i.err"
-    capped 30 env CUDA_VISIBLE_DEVICES= "$run/bellows-worker" generate --prompt "${prompts[$i]}" --max-tokens 32 \
+    capped 30 "$run/bellows-worker" generate --device "$gpu_device" --prompt "${prompts[$i]}" --max-tokens 32 \
+        >"$out/gpu-$i.txt" 2>"$out/gpu-$i.err"
+    capped 30 "$run/bellows-worker" generate --device cpu --prompt "${prompts[$i]}" --max-tokens 32 \
         >"$out/cpu-$i.txt" 2>"$out/cpu-$i.err"
 done
 
 # 5. Benchmarks on the device.
 log "benchmarks"
-capped 180 "$run/bellows-worker" bench --suite decode,batch,ttft --concurrency "$streams" \
+capped 180 "$run/bellows-worker" bench --device "$gpu_device" --suite decode,batch,ttft --concurrency "$streams" \
     --ttft-prompt-tokens "$ttft_tokens" --repeat "$repeat" --decode-tokens "$decode_tokens" \
     >"$out/bench.json" 2>"$out/bench.err"
 bench_rc=$?
@@ -115,7 +121,7 @@ bench_rc=$?
 log "7B-shaped model"
 synth="$run/synth-7b.gguf"
 capped 90 "$run/bellows-worker" synth-model --like "$model" --out "$synth" "${synth_shape[@]}" >"$out/synth.txt" 2>&1 \
-    && capped 90 "$run/bellows-worker" bench --model "$synth" --suite decode,batch --concurrency 1,64 --repeat 1 \
+    && capped 90 "$run/bellows-worker" bench --device "$gpu_device" --model "$synth" --suite decode,batch --concurrency 1,64 --repeat 1 \
         --decode-tokens "$decode_tokens" >"$out/bench-7b.json" 2>"$out/bench-7b.err"
 
 # 7. The PyTorch baseline on both models.
@@ -165,8 +171,12 @@ if synth.isdigit() and "single_stream" in bench_7b:
     bound = 4.8e12 / int(synth)
     bench_7b["weight_bytes"], bench_7b["bandwidth_bound_tok_s"] = int(synth), bound
     bench_7b["of_bound"] = bench_7b["single_stream"]["decode_tok_s"] / bound
+# Every GPU row must say it ran on CUDA: generate's stats line names the device, the bench JSON has it.
+not_cuda = [f"greedy {i}" for i in range(n) if "[device cuda |" not in read(f"gpu-{i}.err")]
+not_cuda += [name for name, rows in (("bench", bench), ("bench_7b", bench_7b)) if rows.get("device") != "cuda"]
 print(json.dumps({
     "gpu": read("gpu.txt").strip(),
+    "rows_not_on_cuda": not_cuda,
     "unit_tests": {"rc": unit_rc, "tail": read("unit-tests.txt")[-1500:]},
     "greedy_gpu_vs_cpu": greedy,
     "bench_rc": bench_rc, "bench": bench, "bench_7b_shaped": bench_7b,
@@ -174,4 +184,10 @@ print(json.dumps({
     "ours_over_torch": ours_over_torch(bench, torch_rows),
     "ours_over_torch_7b_shaped": ours_over_torch(bench_7b, torch_7b),
 }, indent=1))
+sys.exit(3 if not_cuda else 0)
 EOF
+report_rc=${PIPESTATUS[0]}
+if ((report_rc != 0)); then
+    log "refused: some GPU rows did not run on CUDA (rows_not_on_cuda in the report)"
+    exit "$report_rc"
+fi

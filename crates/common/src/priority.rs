@@ -45,12 +45,14 @@ impl Priority {
         }
     }
 
-    /// OpenAI's `service_tier`: `priority` and `flex` name a class; `auto` and `default` leave
-    /// the choice to the tenant's default (`None`). Anything else is not a tier.
+    /// OpenAI's `service_tier`: `priority`, `default` and `flex` name a class (`default` is
+    /// OpenAI's standard tier); `auto` leaves the choice to the tenant's default (`None`).
+    /// Anything else is not a tier.
     pub fn from_service_tier(tier: &str) -> Result<Option<Self>, UnknownPriority> {
         match tier {
-            "auto" | "default" => Ok(None),
+            "auto" => Ok(None),
             "priority" => Ok(Some(Priority::Interactive)),
+            "default" => Ok(Some(Priority::Standard)),
             "flex" => Ok(Some(Priority::Batch)),
             other => Err(UnknownPriority(other.to_string())),
         }
@@ -103,11 +105,12 @@ mod tests {
         assert_eq!(Priority::from_vllm(3), Priority::Batch);
         assert_eq!(Priority::from_service_tier("priority"), Ok(Some(Priority::Interactive)));
         assert_eq!(Priority::from_service_tier("flex"), Ok(Some(Priority::Batch)));
+        assert_eq!(Priority::from_service_tier("default"), Ok(Some(Priority::Standard)));
         assert_eq!(Priority::from_service_tier("auto"), Ok(None));
         assert!(Priority::from_service_tier("scale").is_err());
         for p in Priority::ALL {
             assert_eq!(p.as_str().parse::<Priority>(), Ok(p));
-            assert_eq!(Priority::from_service_tier(p.service_tier()).unwrap().unwrap_or_default(), p);
+            assert_eq!(Priority::from_service_tier(p.service_tier()), Ok(Some(p)), "the echoed tier names its class");
         }
     }
 }

@@ -67,7 +67,7 @@ pub fn start(args: &RouterArgs, port: u16, shards: Arc<Shards>) -> anyhow::Resul
     let tenants = Arc::new(tenants.with_admin_key(admin));
     tenants.spawn_reloader(RELOAD_INTERVAL);
 
-    follow_etcd(args, port, &cluster, &tenants)?;
+    follow_etcd(args, port, &cluster, &tenants, &metrics)?;
 
     let admission = Admission::new(args.max_waiting as u64);
     let fair_queue = fair_queue(args, &tenants, &cluster, &admission);
@@ -97,7 +97,13 @@ pub fn start(args: &RouterArgs, port: u16, shards: Arc<Shards>) -> anyhow::Resul
 
 /// With etcd: follow the workers registered there, and take this router's share of every
 /// tenant's limits from the number of live routers.
-fn follow_etcd(args: &RouterArgs, port: u16, cluster: &Arc<Cluster>, tenants: &Arc<Tenants>) -> anyhow::Result<()> {
+fn follow_etcd(
+    args: &RouterArgs,
+    port: u16,
+    cluster: &Arc<Cluster>,
+    tenants: &Arc<Tenants>,
+    metrics: &Arc<Metrics>,
+) -> anyhow::Result<()> {
     let etcd = args.etcd_endpoints();
     if etcd.is_empty() {
         return Ok(());
@@ -108,9 +114,10 @@ fn follow_etcd(args: &RouterArgs, port: u16, cluster: &Arc<Cluster>, tenants: &A
     }
     tokio::spawn(cluster::discovery::follow_etcd(cluster.clone(), etcd.clone(), options.clone(), args.cluster.clone()));
     let id = args.router_id.clone().unwrap_or_else(|| format!("{}-{port}", cluster::peers::hostname()));
-    let limits = tenants.clone();
+    let (limits, metrics) = (tenants.clone(), metrics.clone());
     tokio::spawn(cluster::peers::share_with_peers(etcd, options, args.cluster.clone(), id, move |routers| {
-        limits.limits().set_share(1.0 / routers.max(1) as f64)
+        limits.limits().set_share(1.0 / routers.max(1) as f64);
+        metrics.live_routers.set(routers as i64);
     }));
     Ok(())
 }

@@ -92,6 +92,8 @@ pub struct Metrics {
     pub queue_time: Latency,
     pub workers: Gauge,
     pub placeable_workers: Gauge,
+    /// Routers live in etcd as this one last counted them (itself included; 0 without etcd).
+    pub live_routers: Gauge,
     pub worker_waiting: Family<WorkerLabels, Gauge>,
     pub worker_running: Family<WorkerLabels, Gauge>,
     pub membership_changes: Family<ChangeLabels, Counter>,
@@ -214,6 +216,7 @@ impl Metrics {
             queue_time: Family::new_with_constructor(seconds),
             workers: Gauge::default(),
             placeable_workers: Gauge::default(),
+            live_routers: Gauge::default(),
             worker_waiting: Family::default(),
             worker_running: Family::default(),
             membership_changes: Family::default(),
@@ -274,6 +277,11 @@ impl Metrics {
             "placeable_workers",
             "Workers that can take work (load stream up, not draining)",
             self.placeable_workers.clone(),
+        );
+        r.register(
+            "live_routers",
+            "Routers registered in etcd, this one included: each enforces 1/n of every tenant's limits",
+            self.live_routers.clone(),
         );
         r.register(
             "worker_waiting_requests",

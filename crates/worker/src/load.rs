@@ -10,6 +10,7 @@ use candle_core::quantized::gguf_file;
 
 use crate::{
     model::{
+        DeviceChoice,
         attention::KvDtype,
         llama::{LlamaModel, LoadOptions},
     },
@@ -68,6 +69,11 @@ pub struct ModelArgs {
     /// next turn, prefill faster on CPUs with AVX-512 BF16). Host cache only.
     #[arg(long, env = "BELLOWS_KV_CACHE_DTYPE", value_enum, default_value_t = KvDtype::F32)]
     pub kv_cache_dtype: KvDtype,
+    /// Where the model runs: auto (the GPU when this build has CUDA and CUDA starts, else the
+    /// CPU, with a warning that gives CUDA's error), cpu, or cuda (the GPU or a startup error,
+    /// never the CPU instead). The startup log says which device serves.
+    #[arg(long, env = "BELLOWS_DEVICE", value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
 }
 
 impl ModelArgs {
@@ -84,6 +90,7 @@ impl ModelArgs {
             own_matmul: !self.candle_matmul,
             device_attention: self.device_attention,
             kv_dtype: self.kv_cache_dtype,
+            device: self.device,
         };
         load_gguf(&self.path(), &opts, self.tokenizer_json.as_deref())
     }

@@ -12,6 +12,7 @@ use bellows_worker::{
     bench::{self, BenchArgs},
     engine::{Engine, EngineConfig},
     load::ModelArgs,
+    model::Backend,
     node::{self, ServeArgs},
     request::{Event, GenerateRequest},
     sampling::SamplingParams,
@@ -118,6 +119,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let t0 = Instant::now();
     let (model, tok) = a.model.load(true)?;
     let load_s = t0.elapsed().as_secs_f64();
+    let device = model.spec().device.clone();
     let tok = Arc::new(tok);
     let text = if a.chat {
         let mut m = Vec::new();
@@ -162,7 +164,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 let decode = first.map_or(0.0, |f| (end - f).as_secs_f64());
                 let n = usage.completion_tokens.saturating_sub(1) as f64;
                 eprintln!(
-                    "\n[load {load_s:.2}s | prompt {} tokens, ttft {:.0} ms | {} tokens, {:.1} tok/s | finish: {reason:?}]",
+                    "\n[device {device} | load {load_s:.2}s | prompt {} tokens, ttft {:.0} ms | {} tokens, {:.1} tok/s | finish: {reason:?}]",
                     usage.prompt_tokens,
                     ttft * 1000.0,
                     usage.completion_tokens,

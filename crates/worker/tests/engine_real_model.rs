@@ -370,7 +370,8 @@ fn the_device_attention_path_follows_the_host_kernel_on_the_real_model() {
     // logits were measured within 3.1% of the host kernel's (relative to the largest logit), the
     // same next token, and greedy continuations that part at near-ties as llama.cpp's do (32, 14,
     // 13 and 28 of 32 tokens on the fixture prompts). A wrong mask, slot or rope changes the
-    // first tokens.
+    // first tokens. So: logits within 5% of the host kernel's, and each continuation the host
+    // kernel's up to a step where the host kernel itself nearly ties the two tokens.
     let device = LoadOptions { device_attention: true, ..LoadOptions::default() };
     let (mut host_model, tok) = load(LoadOptions::default());
     let (mut device_model, _) = load(device.clone());
@@ -380,23 +381,51 @@ fn the_device_attention_path_follows_the_host_kernel_on_the_real_model() {
         let got = prompt_logits(&mut device_model, &prompt, chunk);
         let gap = logit_gap(&expected, &got);
         eprintln!("chunks of {chunk}: logits within {gap:e} of the host kernel's (relative to the largest)");
-        assert!(gap < 0.1, "chunks of {chunk}: logits {gap} off the host kernel's");
+        assert!(gap < DEVICE_LOGIT_GAP, "chunks of {chunk}: logits {gap} off the host kernel's");
         let argmax = bellows_worker::sampling::argmax;
         assert_eq!(argmax(&got), argmax(&expected), "chunks of {chunk}: the next token");
     }
-    drop((host_model, device_model));
 
     // Greedy tokens on the fixture prompts against the host kernel's, then all requests at once
     // (decoding rows padded beside each other, prefill chunks sharing steps with them) against
-    // the same path one at a time.
+    // the same path one at a time: each parts, if at all, only at a near-tie of the model it
+    // follows.
     let FixtureRuns { reference, expected, alone, together } = fixture_runs(device);
-    let agree = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
     for (i, case) in reference.cases.iter().enumerate() {
-        let (with_host, with_batch) = (agree(&alone[i], &expected[i]), agree(&together[i], &alone[i]));
-        eprintln!("{:?}: {with_host}/32 tokens as the host kernel's, {with_batch}/32 batched as alone", case.prompt);
-        assert!(with_host >= 12, "{:?}: only {with_host} tokens as the host kernel's", case.prompt);
-        assert!(with_batch >= 12, "{:?}: only {with_batch} tokens batched as alone", case.prompt);
+        let prompt = &case.prompt_ids;
+        assert_parts_only_at_a_near_tie(&mut host_model, prompt, &expected[i], &alone[i], "as the host kernel's");
+        assert_parts_only_at_a_near_tie(&mut device_model, prompt, &alone[i], &together[i], "batched as alone");
     }
+}
+
+/// How far the device path's logits may be from the host kernel's, relative to the largest
+/// logit: 3.1% was measured (see the test above).
+const DEVICE_LOGIT_GAP: f32 = 0.05;
+
+/// How close two tokens' logits are, relative to the largest logit, where the device path may
+/// choose the other one: the partings were measured 0.02% to 0.31% apart (a bound of twice
+/// [`DEVICE_LOGIT_GAP`] would also hold, but would hide a wrong kernel that differs by a few
+/// percent).
+const NEAR_TIE: f32 = 0.01;
+
+/// `got` is `followed` up to its end, or up to a step where `model` (which chose `followed`)
+/// puts `got`'s token within [`NEAR_TIE`] of its own choice.
+fn assert_parts_only_at_a_near_tie(model: &mut dyn Backend, prompt: &[u32], followed: &[u32], got: &[u32], what: &str) {
+    assert_eq!(got.len(), followed.len(), "{what}: as many tokens");
+    let Some(step) = got.iter().zip(followed).position(|(a, b)| a != b) else {
+        eprintln!("{what}: all {} tokens", got.len());
+        return;
+    };
+    let logits = forced_logits(model, prompt, &followed[..=step]).pop().expect("the parting step's logits");
+    let scale = logits.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let margin = (logits[followed[step] as usize] - logits[got[step] as usize]) / scale;
+    eprintln!("{what}: {step} tokens, then a parting where the two are {margin:e} apart (relative to the largest)");
+    assert!(
+        margin <= NEAR_TIE,
+        "{what}: parted at step {step}, where token {} led token {} by {margin} of the largest logit: no near-tie",
+        followed[step],
+        got[step]
+    );
 }
 
 #[test]

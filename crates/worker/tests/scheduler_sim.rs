@@ -444,7 +444,7 @@ fn a_higher_class_arrival_preempts_a_prefilling_lower_one_which_resumes_and_comp
 }
 
 #[test]
-fn a_lower_class_request_already_streaming_is_never_preempted() {
+fn a_lower_class_request_already_streaming_keeps_its_slot_when_a_higher_class_arrives() {
     let e = engine_with(fast(), SchedulerConfig { max_running: 1, ..Default::default() });
     let h = e.handle();
     let mut batch = h.submit(classed(vec![3; 8], 200, Priority::Batch)).unwrap();
@@ -459,7 +459,8 @@ fn a_lower_class_request_already_streaming_is_never_preempted() {
 }
 
 #[test]
-fn when_the_pool_runs_out_the_lowest_class_gives_back_its_blocks_first() {
+fn when_the_pool_runs_out_the_lowest_class_gives_back_its_blocks_first_and_loses_no_token() {
+    let alone = run(&sim_engine(fast(), EngineConfig::default()).handle(), classed(vec![3; 8], 40, Priority::Batch));
     // 4 blocks of 16 tokens; each request grows to 3 blocks: both cannot finish together.
     let sim = SimConfig { kv_bytes_per_token: 16 << 10, ..fast() };
     let e = sim_engine(sim, EngineConfig { kv_cache_mb: Some(1), ..Default::default() });
@@ -474,4 +475,6 @@ fn when_the_pool_runs_out_the_lowest_class_gives_back_its_blocks_first() {
     assert_eq!((batch.tokens.len(), urgent.tokens.len()), (39, 40));
     assert!(h.stats().preemptions > 0, "the pool is too small for both");
     assert!(urgent_end < batch_end, "the interactive stream was preempted for the batch one");
+    // The batch stream was preempted while streaming: it recomputed and went on, token-exact.
+    assert_eq!(batch.tokens, alone.tokens[1..], "the preempted stream lost, repeated or changed a token");
 }

@@ -267,7 +267,7 @@ impl Process {
         self.child.id() as i32
     }
 
-    /// What the process has logged so far (for failure messages).
+    /// What the process has logged so far (for failure messages, and to wait for a logged state).
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

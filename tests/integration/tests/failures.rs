@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use bellows_integration::{Router, Worker, eventually, schemas, sim};
+use bellows_router::cluster::link::REPORT_SILENCE;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
@@ -118,7 +119,7 @@ async fn a_migrated_stream_reports_the_same_logprobs_as_an_undisturbed_one() {
 #[tokio::test]
 async fn a_stream_on_a_frozen_worker_moves_on_once_its_load_reports_stop_and_the_worker_is_used_again_once_thawed() {
     // SIGSTOP: alive, sockets open, silent (a hung GPU, a deadlock). Nothing breaks on the
-    // wire, so only the worker's silence on its load stream (3 s) shows it; the stream must then
+    // wire, so only the worker's silence on its load stream (REPORT_SILENCE) shows it; the stream must then
     // continue elsewhere, long before HTTP/2 keep-alive would give up (10 s + 5 s).
     let request = json!({"model": "sim", "prompt": [11, 12, 13], "max_tokens": 100, "temperature": 0});
     let mut migrated = migrate_mid_stream(request, Fault::Freeze).await;
@@ -138,9 +139,6 @@ async fn a_stream_on_a_frozen_worker_moves_on_once_its_load_reports_stop_and_the
         migrated.router.post("/v1/completions", &json!({"model": "sim", "prompt": [5], "max_tokens": 2})).await;
     assert_eq!(status, 200, "{reply}");
 }
-
-/// The router's rule for a silent load stream (crates/router/src/cluster/link.rs).
-const REPORT_SILENCE: Duration = Duration::from_secs(3);
 
 /// How the worker running the stream fails.
 enum Fault {

@@ -28,12 +28,12 @@ async fn waiting_by_priority(router: &Router, class: &str) -> f64 {
 }
 
 #[tokio::test]
-async fn a_tenant_naming_a_class_it_may_not_use_is_refused_with_403_and_its_own_classes_pass() {
+async fn a_tenant_naming_a_class_it_may_not_use_is_refused_with_403_and_auto_means_its_default() {
     let dir = TempDir::new().unwrap();
     let tenants = dir.path().join("tenants.yaml");
     std::fs::write(
         &tenants,
-        format!("tenants:\n- name: a\n  key_sha256: [{KEY_A}]\n  priorities: [standard, batch]\n"),
+        format!("tenants:\n- name: a\n  key_sha256: [{KEY_A}]\n  priority: batch\n  priorities: [standard, batch]\n"),
     )
     .unwrap();
     let worker = Worker::start(&sim("{}")).await;
@@ -51,7 +51,10 @@ async fn a_tenant_naming_a_class_it_may_not_use_is_refused_with_403_and_its_own_
     let (status, body) = complete(&url, Some("key-a"), ask(json!({"priority": -3}))).await;
     assert_eq!((status, body["error"]["code"].as_str()), (403, Some("priority_not_allowed")));
     let allowed = [
-        (json!({}), "default"),
+        // `auto` and no class: the tenant's default; `default`: OpenAI's standard tier.
+        (json!({}), "flex"),
+        (json!({"service_tier": "auto"}), "flex"),
+        (json!({"service_tier": "default"}), "default"),
         (json!({"service_tier": "flex"}), "flex"),
         (json!({"priority": 0, "service_tier": "auto"}), "default"),
         (json!({"priority": 2}), "flex"),

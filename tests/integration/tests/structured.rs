@@ -164,4 +164,16 @@ async fn a_bad_constraint_is_a_400_naming_its_field_and_pointer_before_any_worke
         router.post("/v1/completions", &json!({"model": "sim", "prompt": "x", "guided_json": bad_schema})).await;
     assert_eq!(status, 400, "{body}");
     assert_eq!(router.metric("bellows_router_placements_total").await, 0.0, "no worker was used");
+    // A misspelt keyword is refused, naming it and where it is; the same schema asking for
+    // llguidance's lenient mode has it ignored.
+    let misspelt =
+        json!({"type": "object", "properties": {"n": {"type": "string", "maxLenght": 3}}, "required": ["n"]});
+    let (status, _, body) = router.post("/v1/chat/completions", &chat(json!({"guided_json": misspelt}))).await;
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert_eq!((status, &body["error"]["param"]), (400, &json!("guided_json")), "{body}");
+    assert!(message.contains("'maxLenght'") && message.contains("'/properties/n'"), "{message}");
+    let mut lenient = misspelt;
+    lenient["x-guidance"] = json!({"lenient": true});
+    let (status, _, body) = router.post("/v1/chat/completions", &chat(json!({"guided_json": lenient}))).await;
+    assert_eq!(status, 200, "{body}");
 }

@@ -97,7 +97,10 @@ async fn a_changed_tenants_file_is_reloaded_without_a_restart() {
     .await;
     // A broken file is refused and the last good one stays in force.
     write(dir.path(), "tenants.yaml", "tenants: [{name: x, key: plain-text}]\n");
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    eventually("the router to read and refuse the broken file", Duration::from_secs(10), || async {
+        router.process.log().contains("tenants file changed but is invalid").then_some(())
+    })
+    .await;
     assert_eq!(call(&router, Some("key-a"), &ask(json!("x"))).await.0, 200);
     assert_eq!(call(&router, Some("key-b"), &ask(json!("x"))).await.0, 200);
 }
@@ -192,7 +195,12 @@ async fn two_routers_each_enforce_half_of_a_tenants_rate() {
     r1.wait_placeable(1).await;
     r2.wait_placeable(1).await;
     // Both routers register and see each other: each then enforces 2 of the 4 requests a minute.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for router in [&r1, &r2] {
+        eventually("each router to count both", Duration::from_secs(10), || async {
+            (router.metric("bellows_router_live_routers").await == 2.0).then_some(())
+        })
+        .await;
+    }
     let mut accepted = 0;
     for router in [&r1, &r2] {
         for _ in 0..3 {

@@ -10,6 +10,7 @@
 //! instead of being left to hang a worker.
 
 mod bounds;
+mod keywords;
 
 use std::sync::{Arc, LazyLock};
 
@@ -106,8 +107,15 @@ impl Constraint {
         BYTES.create_parser(self.grammar()).map(drop).map_err(|e| ConstraintError(clean(&e.to_string())))
     }
 
-    /// [`Constraint::check`], and for a JSON Schema the pointer of what it refused.
+    /// [`Constraint::check`], and for a JSON Schema the pointer of what it refused. A JSON
+    /// Schema keyword that is not one is refused here too (see docs/structured-outputs.md): a
+    /// worker would compile the schema without it, and a misspelled bound would bind nothing.
     pub fn check_located(&self) -> Result<(), SchemaError> {
+        if let Constraint::JsonSchema(schema) = self
+            && let Some(refused) = keywords::refuse_unknown(schema)
+        {
+            return Err(refused);
+        }
         let Err(e) = self.check() else { return Ok(()) };
         let pointer = match self {
             Constraint::JsonSchema(schema) => locate(schema, &e.0),
@@ -324,6 +332,42 @@ mod tests {
         assert!(!accepts(&c, r#"<call>{"n":42}"#), "compact");
         assert!(!accepts(&c, r#"<call>{"n": 12345678901234567890}"#), "bounded");
         assert!(accepts(&lark(JsonBounds::Unbounded), r#"<call>{"n": 12345678901234567890}"#));
+    }
+
+    #[test]
+    fn a_misspelled_keyword_is_refused_naming_it_and_where_it_is() {
+        let schema = json!({"type": "object", "properties": {"name": {"type": "string", "maxLenght": 8}}});
+        let refused = Constraint::JsonSchema(schema.clone()).check_located().unwrap_err();
+        assert!(refused.message.contains("'maxLenght'"), "{}", refused.message);
+        assert_eq!(refused.pointer.as_deref(), Some("/properties/name"));
+        // Deeper, under $defs and anyOf, and at the root.
+        let nested = json!({"$defs": {"n": {"anyOf": [{"type": "integer", "minimun": 0}]}}, "$ref": "#/$defs/n"});
+        let refused = Constraint::JsonSchema(nested).check_located().unwrap_err();
+        assert_eq!(
+            (refused.pointer.as_deref(), refused.message.contains("'minimun'")),
+            (Some("/$defs/n/anyOf/0"), true)
+        );
+        let root = Constraint::JsonSchema(json!({"type": "string", "nullable": true})).check_located().unwrap_err();
+        assert_eq!(root.pointer, None);
+        // llguidance alone would have taken it, unbounded.
+        assert_eq!(Constraint::JsonSchema(schema).check(), Ok(()));
+    }
+
+    #[test]
+    fn annotations_extensions_and_a_lenient_schema_pass_the_keyword_check() {
+        let annotated = json!({
+            "$schema": "https://json-schema.org/draft/2020-12/schema", "title": "T", "description": "d",
+            "type": "object", "x-order": 1, "discriminator": {"propertyName": "kind"},
+            "properties": {"maxLenght": {"type": "string", "default": "a", "examples": ["b"], "deprecated": true}},
+        });
+        assert_eq!(Constraint::JsonSchema(annotated).check_located(), Ok(()), "a property may be named anything");
+        let lenient = json!({"x-guidance": {"lenient": true}, "type": "object",
+            "properties": {"name": {"type": "string", "maxLenght": 8, "uniqueItems": true}}});
+        assert_eq!(Constraint::JsonSchema(lenient).check_located(), Ok(()));
+        // Without lenient, a vocabulary keyword llguidance lacks is still refused (by llguidance).
+        let unique = json!({"type": "array", "uniqueItems": true});
+        let refused = Constraint::JsonSchema(unique).check_located().unwrap_err();
+        assert!(refused.message.contains("uniqueItems"), "{}", refused.message);
     }
 
     #[test]

@@ -317,7 +317,7 @@ mod tests {
     /// the device path (on the GPU where the build has one) must give the host kernel's outputs
     /// within 1e-5 of their largest value.
     fn both_paths(heads: Heads, style: RopeStyle, window: Option<usize>, steps: &[Vec<(usize, usize)>]) {
-        let device = crate::model::default_device();
+        let device = crate::model::test_device();
         let block_size = 4;
         let shape = Attention { window, ..Attention::causal(heads) };
         let rope = Rope::new(style, heads.head_dim, 10000.0, 256);

@@ -315,6 +315,8 @@ mod tests {
             11 => f32::NEG_INFINITY,
             _ => ((i * 7919) % 1013) as f32 - 700.0,
         };
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f");
         for len in 0..300usize {
             for peak in [0, len / 2, len.saturating_sub(1)] {
                 let mut row: Vec<f32> = (0..len).map(value).collect();
@@ -324,12 +326,14 @@ mod tests {
                 let expected = row.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
                 assert_eq!(max_in_lanes(&row), expected, "{len} values, the largest at {peak}");
                 #[cfg(target_arch = "x86_64")]
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    // SAFETY: AVX-512F is present (checked just above).
+                if avx512 {
+                    // SAFETY: AVX-512F is present (checked at the start).
                     assert_eq!(unsafe { max_avx512(&row) }, expected, "{len} values, the largest at {peak}");
                 }
             }
         }
+        #[cfg(target_arch = "x86_64")]
+        crate::model::kernel_check::report(avx512, "AVX-512F");
         assert_eq!(max(&[f32::NAN; 20]), f32::NEG_INFINITY);
     }
 
@@ -338,7 +342,7 @@ mod tests {
         // Every 61st float: both signs, tiny to huge, subnormal results, infinities, NaNs.
         let xs = floats(61);
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        crate::model::kernel_check::on_cpu_with(std::arch::is_x86_feature_detected!("avx512f"), "AVX-512F", || {
             let (chunks, _) = xs.as_chunks::<16>();
             let got: Vec<f32> = chunks
                 .iter()
@@ -350,7 +354,7 @@ mod tests {
                 })
                 .collect();
             assert_libm(&xs, &got, "AVX-512");
-        }
+        });
         #[cfg(all(target_arch = "x86_64", target_feature = "fma", target_feature = "avx2"))]
         {
             let (chunks, _) = xs.as_chunks::<8>();
@@ -384,7 +388,7 @@ mod tests {
     #[ignore]
     fn the_vector_exp_on_every_float_gives_libms_bits() {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        crate::model::kernel_check::on_cpu_with(std::arch::is_x86_feature_detected!("avx512f"), "AVX-512F", || {
             let mut xs = [0f32; 16];
             for hi in 0..=(u32::MAX >> 4) {
                 for (l, x) in xs.iter_mut().enumerate() {
@@ -395,6 +399,6 @@ mod tests {
                 unsafe { _mm512_storeu_ps(e.as_mut_ptr(), expf16_avx512(_mm512_loadu_ps(xs.as_ptr()))) };
                 assert_libm(&xs, &e, "AVX-512");
             }
-        }
+        });
     }
 }

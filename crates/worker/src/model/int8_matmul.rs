@@ -900,12 +900,12 @@ mod tests {
 
     const FORMATS: [GgmlDType; 2] = [GgmlDType::Q8_0, GgmlDType::Q4_1];
 
-    /// The kernels this CPU runs, every one of which a test checks; a test that cannot run says it
-    /// skipped.
+    /// The kernels this CPU runs, every one of which a test checks; the test reports the ones it
+    /// skips.
     fn isas() -> Vec<Isa> {
         let isas = Isa::here();
-        if isas.is_empty() {
-            eprintln!("skipped: neither AVX-512 VNNI nor AVX2 on this CPU");
+        for (isa, name) in [(Isa::Avx512Vnni, "AVX-512 VNNI"), (Isa::Avx2, "AVX2/FMA/F16C")] {
+            crate::model::kernel_check::report(isas.contains(&isa), name);
         }
         isas
     }

@@ -30,7 +30,7 @@ use candle_core::{
 };
 
 use super::{
-    Backend, BatchRow, ModelSpec,
+    Backend, BatchRow, DeviceChoice, ModelSpec,
     attention::{Attention, Heads, KvDtype, LayerKv, Rope, RopeStyle, paged_attention},
     device_attention::{DeviceKv, DeviceRope, StepPlan, paged_attention_on_device},
     int8_matmul::{self, Int8Weights},
@@ -60,6 +60,8 @@ pub struct LoadOptions {
     pub device_attention: bool,
     /// What the host KV cache stores keys and values as (the device path keeps f32).
     pub kv_dtype: KvDtype,
+    /// Where the model runs.
+    pub device: DeviceChoice,
 }
 
 impl Default for LoadOptions {
@@ -71,6 +73,7 @@ impl Default for LoadOptions {
             own_matmul: true,
             device_attention: false,
             kv_dtype: KvDtype::F32,
+            device: DeviceChoice::Auto,
         }
     }
 }
@@ -476,7 +479,7 @@ impl LlamaModel {
 
     pub fn load(path: &Path, content: &gguf_file::Content, opts: &LoadOptions) -> Result<Self> {
         let cfg = LlamaConfig::from_gguf(content)?;
-        let device = super::default_device();
+        let device = super::select_device(opts.device)?;
         let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
         let mut l = Loader {
             content,

@@ -9,6 +9,8 @@ pub mod attention;
 pub mod device_attention;
 pub(crate) mod exp;
 pub mod int8_matmul;
+#[cfg(test)]
+pub(crate) mod kernel_check;
 pub mod llama;
 pub mod rms_norm;
 pub(crate) mod rows;
@@ -48,13 +50,54 @@ pub struct ModelSpec {
     pub device: String,
 }
 
-/// Where models run: the first GPU when built with `cuda` and one is present, else the CPU.
-pub fn default_device() -> candle_core::Device {
-    #[cfg(feature = "cuda")]
-    if let Ok(d) = candle_core::Device::new_cuda(0) {
-        return d;
+/// Which device a model runs on (`--device`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DeviceChoice {
+    /// The first GPU when the build has CUDA and CUDA starts (a warning with CUDA's error when it
+    /// does not), else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    /// The first GPU, or an error: never the CPU in its place.
+    Cuda,
+}
+
+/// Why the device asked for cannot serve.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("--device cuda: this worker was built without CUDA (scripts/build-cuda.sh builds one)")]
+    NotBuilt,
+    #[error("--device cuda: CUDA does not start: {0}")]
+    Unusable(String),
+}
+
+/// The device `choice` names. CUDA's own error is never dropped: it fails `Cuda`, and `Auto`
+/// logs it as it falls back, so a GPU machine whose CUDA is broken cannot pass for a GPU run.
+pub fn select_device(choice: DeviceChoice) -> Result<candle_core::Device, DeviceError> {
+    match choice {
+        DeviceChoice::Cpu => Ok(candle_core::Device::Cpu),
+        DeviceChoice::Cuda => cuda(),
+        DeviceChoice::Auto if cfg!(feature = "cuda") => Ok(cuda().unwrap_or_else(|e| {
+            tracing::warn!("CUDA is not usable, so the model runs on the CPU: {e}");
+            candle_core::Device::Cpu
+        })),
+        DeviceChoice::Auto => Ok(candle_core::Device::Cpu),
     }
-    candle_core::Device::Cpu
+}
+
+fn cuda() -> Result<candle_core::Device, DeviceError> {
+    if !cfg!(feature = "cuda") {
+        return Err(DeviceError::NotBuilt);
+    }
+    candle_core::Device::new_cuda(0).map_err(|e| DeviceError::Unusable(e.to_string()))
+}
+
+/// The device the device-path unit tests run on: CUDA in a CUDA build (failing when CUDA does
+/// not start, never passing on the CPU instead), the CPU otherwise.
+#[cfg(test)]
+pub(crate) fn test_device() -> candle_core::Device {
+    let choice = if cfg!(feature = "cuda") { DeviceChoice::Cuda } else { DeviceChoice::Cpu };
+    select_device(choice).unwrap_or_else(|e| panic!("the device tests' device: {e}"))
 }
 
 /// The KV budget on the CPU when none is given, in MiB.
@@ -80,4 +123,19 @@ pub trait Backend: Send {
 
     /// Run one step. Returns the last-token logits of every row with `want_logits`, in row order.
     fn forward(&mut self, rows: &[BatchRow<'_>]) -> anyhow::Result<Vec<Vec<f32>>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_asked_for_is_cuda_or_an_error_never_the_cpu() {
+        assert!(select_device(DeviceChoice::Cpu).unwrap().is_cpu());
+        match select_device(DeviceChoice::Cuda) {
+            Ok(device) => assert!(device.is_cuda(), "--device cuda served on {device:?}"),
+            Err(e) if cfg!(feature = "cuda") => assert!(matches!(e, DeviceError::Unusable(_)), "{e}"),
+            Err(e) => assert!(matches!(e, DeviceError::NotBuilt), "{e}"),
+        }
+    }
 }

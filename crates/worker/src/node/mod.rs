@@ -155,6 +155,7 @@ pub(crate) async fn serve_node(
     let kv_token_bytes = handle.spec().kv_bytes_per_token.max(1);
     tracing::info!(
         model_id = %record.model_id,
+        device = %handle.spec().device,
         context_length = record.context_length,
         block_size = record.block_size,
         kv_cache_mib = handle.kv_cache_bytes() >> 20,

@@ -644,7 +644,7 @@ mod tests {
     #[test]
     fn a_dot_product_step_is_the_cpus_vdpbf16ps_lane() {
         #[cfg(target_arch = "x86_64")]
-        if avx512bf16() {
+        crate::model::kernel_check::on_cpu_with(avx512bf16(), "AVX-512 BF16", || {
             use std::arch::x86_64::*;
             // Sums that cancel, that round, and that grow far past their terms.
             let (a, b, acc) = (to_pairs(&wave(32, 0.37)), to_pairs(&wave(32, 0.53)), wave(16, 0.71));
@@ -661,9 +661,7 @@ mod tests {
                 let plain: Vec<f32> = (0..16).map(|i| dp(acc[i], a[i], b[i])).collect();
                 assert_eq!(bits(&got), bits(&plain), "scale {scale}");
             }
-            return;
-        }
-        eprintln!("no AVX-512 BF16 here: the plain loops are the only path");
+        });
     }
 
     #[test]

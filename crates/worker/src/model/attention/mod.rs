@@ -1813,7 +1813,7 @@ mod tests {
     #[test]
     fn two_blocks_scored_at_once_give_each_slot_the_bits_of_dot() {
         #[cfg(target_arch = "x86_64")]
-        if avx512() {
+        crate::model::kernel_check::on_cpu_with(avx512(), "AVX-512 F/BW/VL", || {
             use crate::kv_cache::BlockId;
             // Head sizes of whole eights and not (67: three dimensions after the fold), blocks of
             // one register of slots and of more (the kernel reads the first sixteen of each).
@@ -1856,13 +1856,13 @@ mod tests {
                     }
                 }
             }
-        }
+        });
     }
 
     #[test]
     fn eight_slots_to_a_register_give_each_slot_the_bits_of_dot_in_either_cache() {
         #[cfg(target_arch = "x86_64")]
-        if avx2() {
+        crate::model::kernel_check::on_cpu_with(avx2(), "AVX2/FMA/F16C", || {
             fn check<E: KvElement>() {
                 // Head sizes of whole eights and not (67: three dimensions after the fold);
                 // blocks of one and two registers and between; runs of slots that start and end
@@ -1912,7 +1912,7 @@ mod tests {
             }
             check::<f32>();
             check::<f16>();
-        }
+        });
     }
 
     #[test]
@@ -2230,7 +2230,7 @@ mod tests {
     #[test]
     fn a_square_transposed_in_registers_puts_each_rows_element_in_its_lane() {
         #[cfg(target_arch = "x86_64")]
-        if avx512() {
+        crate::model::kernel_check::on_cpu_with(avx512(), "AVX-512 F/BW/VL", || {
             use std::arch::x86_64::*;
             let square: [[f32; 16]; 16] = from_fn(|r| from_fn(|p| (r * 16 + p) as f32));
             // SAFETY: AVX-512F is present (checked above); sixteen floats each.
@@ -2246,7 +2246,7 @@ mod tests {
                     assert_eq!(x, square[r][p], "row {r}'s element {p}");
                 }
             }
-        }
+        });
     }
 
     #[test]
