@@ -29,6 +29,8 @@ impl std::fmt::Display for Range {
 }
 
 pub const TEMPERATURE: Range = Range::closed(0.0, 2.0);
+/// Anthropic's Messages API takes temperatures up to 1 (the worker's range holds it).
+pub const ANTHROPIC_TEMPERATURE: Range = Range::closed(0.0, 1.0);
 pub const TOP_P: Range = Range { lo: 0.0, hi: 1.0, lo_open: true };
 pub const MIN_P: Range = Range::closed(0.0, 1.0);
 /// Multiplicative (Hugging Face's), 1 = off.

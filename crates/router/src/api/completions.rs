@@ -1,4 +1,6 @@
-//! `POST /v1/chat/completions` and `POST /v1/completions`.
+//! `POST /v1/chat/completions` and `POST /v1/completions`, and the pipeline every generating
+//! endpoint runs (Anthropic's `/v1/messages` too: it parses and renders its own way, in
+//! `api::anthropic`).
 //!
 //! The order of the steps is the point: admission first (a refusal costs nothing, not even
 //! reading the body), then the body's size, its validation, the model, tokenization off the
@@ -31,19 +33,20 @@ use tokio::sync::mpsc;
 use tracing::{Instrument, Span, field::Empty};
 
 use super::{
-    AppState,
+    AppState, anthropic,
     error::{ApiError, Overload, ratelimit_headers},
+    reply::{Accounting, Reply, Timing},
     request::{self, Endpoint, Input, Job, Prompt},
-    response::{self, ChoiceOut, Header, UsageOut},
+    response::{self, Header, UsageOut},
     tool_request,
 };
 use crate::{
     admission::Ticket,
     cluster::ModelPool,
     dispatch::{Choice, ChoiceEvent, Structured},
-    metrics::{Latencies, ReasonLabels, RequestLabels},
-    tenants::{Admission as LimitAdmission, ModelUsage, QueueRejection, Tenant, Turn},
-    tools::{self, Family, Piece, ToolCallParser, Tools},
+    metrics::{ReasonLabels, RequestLabels},
+    tenants::{QueueRejection, Tenant},
+    tools::{Family, Piece, ToolCallParser, Tools},
 };
 
 pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -54,10 +57,13 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
     serve(&state, Endpoint::Completions, &headers, body).await
 }
 
-async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Response {
+/// One request through [`complete`], in its span, with its refusal counted, its tenant's
+/// rate-limit headers and its status in the metrics, errors in the endpoint's own shape.
+pub(super) async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Response {
     let (name, route, operation) = match endpoint {
         Endpoint::ChatCompletions => ("POST /v1/chat/completions", "/v1/chat/completions", "chat"),
         Endpoint::Completions => ("POST /v1/completions", "/v1/completions", "text_completion"),
+        Endpoint::Messages => ("POST /v1/messages", "/v1/messages", "chat"),
     };
     let span = tracing::info_span!(
         "http.request",
@@ -93,7 +99,10 @@ async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, b
                 let tenant = who.tenant.as_ref().map(|t| t.name.as_str());
                 state.usage.refused(tenant, who.model.as_deref(), reason);
             }
-            e.into_response()
+            match endpoint {
+                Endpoint::Messages => anthropic::error_response(e),
+                Endpoint::ChatCompletions | Endpoint::Completions => e.into_response(),
+            }
         }
     };
     // Every answer to a known tenant carries its rate-limit state, errors included.
@@ -144,13 +153,15 @@ async fn complete(
     span: &Span,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-    let tenant = state.tenants.authenticate(authorization).map_err(|_| ApiError::Unauthorized)?;
+    let tenant = state.tenants.authenticate(authorization(headers).as_deref()).map_err(|_| ApiError::Unauthorized)?;
     span.record("bellows.tenant", tenant.name.as_str());
     who.tenant = Some(tenant.clone());
     let ticket = admit_at_cap(state, tenant.most_urgent())?;
     let bytes = read_body(state, headers, body).await?;
-    let mut job = request::parse(endpoint, &bytes)?;
+    let mut job = match endpoint {
+        Endpoint::Messages => anthropic::parse(&bytes, anthropic::Purpose::Generate)?,
+        Endpoint::ChatCompletions | Endpoint::Completions => request::parse(endpoint, &bytes)?,
+    };
     let class = tenant.class(job.priority)?;
     span.record("bellows.priority", class.as_str());
     if ticket.is_some() {
@@ -190,6 +201,7 @@ async fn complete(
         priority: class,
         n: job.n,
         choices: tokenized.len() * job.n as usize,
+        prompt_tokens: tokenized.first().map_or(0, |t| t.tokens.len() as u32),
         logprobs: job.params.top_logprobs.is_some(),
         tool_parsing,
         span: span.clone(),
@@ -328,14 +340,23 @@ async fn answer(
             state.dispatcher.spawn(pool.clone(), choice, tx.clone());
         }
         drop(tx);
-        return reply.stream(rx, job.include_usage).await;
+        return match reply.endpoint {
+            Endpoint::Messages => anthropic::stream(reply, rx).await,
+            Endpoint::ChatCompletions | Endpoint::Completions => reply.stream(rx, job.include_usage).await,
+        };
     }
     let work =
         futures_util::future::join_all(choices.into_iter().map(|c| state.dispatcher.run_choice(pool, c, tx.clone())));
     drop(tx);
     // The reply ends once every choice is done (or one failed): dropping its receiver then
     // stops the rest.
-    let (_, answer) = tokio::join!(work, reply.whole(rx));
+    let whole = async move {
+        match reply.endpoint {
+            Endpoint::Messages => anthropic::whole(reply, rx).await,
+            Endpoint::ChatCompletions | Endpoint::Completions => reply.whole(rx).await,
+        }
+    };
+    let (_, answer) = tokio::join!(work, whole);
     answer
 }
 
@@ -363,7 +384,11 @@ fn admit_at_cap(state: &AppState, class: Priority) -> Result<Option<Ticket>, Api
 }
 
 /// The body, at most `--max-body-bytes` (a declared length over it is refused before reading).
-async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<axum::body::Bytes, ApiError> {
+pub(super) async fn read_body(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<axum::body::Bytes, ApiError> {
     let limit = state.max_body_bytes;
     let declared =
         headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
@@ -403,7 +428,7 @@ async fn check_constraints(state: &AppState, family: Option<Family>, job: &mut J
 }
 
 /// The tokenizer threads' queue is full: retry shortly.
-fn tokenizer_busy() -> ApiError {
+pub(super) fn tokenizer_busy() -> ApiError {
     ApiError::Overloaded { reason: Overload::TokenizerBusy, retry_after: std::time::Duration::from_secs(1) }
 }
 
@@ -509,122 +534,28 @@ fn check_against_model(pool: &ModelPool, job: &Job, prompts: &[Tokenized]) -> Re
 }
 
 fn new_id(endpoint: Endpoint) -> String {
-    let prefix = match endpoint {
-        Endpoint::ChatCompletions => "chatcmpl",
-        Endpoint::Completions => "cmpl",
-    };
-    format!("{prefix}-{:024x}", rand::random::<u128>() >> 32)
+    let random = rand::random::<u128>() >> 32;
+    match endpoint {
+        Endpoint::ChatCompletions => format!("chatcmpl-{random:024x}"),
+        Endpoint::Completions => format!("cmpl-{random:024x}"),
+        Endpoint::Messages => format!("msg_{random:024x}"),
+    }
 }
 
-/// The answer being assembled from the choices' events.
-struct Reply {
-    endpoint: Endpoint,
-    id: String,
-    model: String,
-    created: u64,
-    /// The class it ran in, echoed as OpenAI's `service_tier`.
-    priority: Priority,
-    n: u32,
-    choices: usize,
-    /// The client asked for logprobs.
-    logprobs: bool,
-    /// Read tool calls out of each choice's text: the model family and `parallel_tool_calls`.
-    tool_parsing: Option<(Family, bool)>,
-    /// The request's span: it ends when the reply does (for a stream, when the stream does).
-    span: Span,
-    trace_text: bool,
-    arrived: Instant,
-    latencies: Latencies,
-    accounting: Accounting,
-}
-
-/// What a request holds while it runs: its tenant's concurrency slot and token charges, its
-/// usage counters, and its fair-share turn under the global cap (given back once it started).
-/// Without fair sharing, its place under the cap is an admission ticket that travels with the
-/// first choice instead (see [`Choice::ticket`]).
-struct Accounting {
-    limits: LimitAdmission,
-    usage: ModelUsage,
-    turn: Option<Turn>,
-}
-
-/// Token delivery times, for the latency histograms.
-#[derive(Default)]
-struct Timing {
-    /// The client reads tokens as they arrive, so the gaps between them are inter-token latency.
-    /// A whole answer's tokens come in batches (see `delta_interval_ms`): only its first counts,
-    /// less the time the worker held it.
-    streamed: bool,
-    /// A worker has accepted the request (its queue time is observed).
-    started: bool,
-    /// When the latest text arrived.
-    last: Option<Instant>,
+/// The caller's key as an `Authorization` value: that header, or Anthropic's `x-api-key`
+/// (`Bearer <key>`), so a tenant's key works from either protocol's clients.
+pub(super) fn authorization(headers: &HeaderMap) -> Option<String> {
+    if let Some(v) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        return Some(v.to_string());
+    }
+    headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(|key| format!("Bearer {key}"))
 }
 
 impl Reply {
-    /// Account one event: tokens charged to the tenant as they stream, latencies observed.
-    fn observe(&mut self, event: &ChoiceEvent, timing: &mut Timing) {
-        let now = Instant::now();
-        match event {
-            ChoiceEvent::Started { .. } => {
-                // A worker has it now, and counts it: give back what held its place.
-                self.accounting.turn = None;
-                if !timing.started {
-                    timing.started = true;
-                    self.latencies.queue_time.observe((now - self.arrived).as_secs_f64());
-                }
-            }
-            ChoiceEvent::Text { tokens, first_token_held, .. } => {
-                self.accounting.limits.charge_completion(u64::from(*tokens));
-                self.accounting.usage.completion(u64::from(*tokens));
-                match timing.last {
-                    None => {
-                        let ttft = (now - self.arrived).saturating_sub(*first_token_held);
-                        self.latencies.time_to_first_token.observe(ttft.as_secs_f64())
-                    }
-                    Some(last) if timing.streamed => {
-                        self.latencies.inter_token_latency.observe((now - last).as_secs_f64())
-                    }
-                    Some(_) => {}
-                }
-                timing.last = Some(now);
-            }
-            ChoiceEvent::Done { usage, index, .. } => {
-                if index % self.n == 0 {
-                    self.accounting.usage.cached(u64::from(usage.cached_prompt_tokens));
-                }
-            }
-            ChoiceEvent::Failed { .. } => {}
-        }
-    }
-
-    fn finished(&self) {
-        let took = self.arrived.elapsed();
-        self.latencies.request_duration.observe(took.as_secs_f64());
-        // One line per request, in its span: the span's fields (tenant, usage, trace_id) go with it.
-        let _in_span = self.span.enter();
-        tracing::info!(request_id = %self.id, model = %self.model, total_ms = took.as_millis() as u64, "request finished");
-    }
-}
-
-impl Reply {
-    /// The usage and finish reasons on the request's span.
-    fn record(&self, usage: &UsageOut, finish: &[&str], text: Option<&str>) {
-        self.span.record("gen_ai.usage.input_tokens", usage.prompt_tokens);
-        self.span.record("gen_ai.usage.output_tokens", usage.completion_tokens);
-        self.span.record("gen_ai.usage.cached_input_tokens", usage.prompt_tokens_details.cached_tokens);
-        self.span.record("gen_ai.response.finish_reasons", finish.join(","));
-        if self.trace_text
-            && let Some(text) = text
-        {
-            telemetry::set_attribute(&self.span, "bellows.completion", text.to_string());
-        }
-    }
-
     fn header(&self, chunk: bool) -> Header<'_> {
         let object = match (self.endpoint, chunk) {
-            (Endpoint::ChatCompletions, true) => "chat.completion.chunk",
-            (Endpoint::ChatCompletions, false) => "chat.completion",
+            (Endpoint::ChatCompletions | Endpoint::Messages, true) => "chat.completion.chunk",
+            (Endpoint::ChatCompletions | Endpoint::Messages, false) => "chat.completion",
             (Endpoint::Completions, _) => "text_completion",
         };
         Header {
@@ -636,53 +567,8 @@ impl Reply {
         }
     }
 
-    async fn whole(mut self, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
-        let logprobs = self.logprobs.then(Vec::new);
-        let mut texts: Vec<ChoiceOut> = (0..self.choices)
-            .map(|_| ChoiceOut {
-                text: String::new(),
-                finish: "stop",
-                logprobs: logprobs.clone(),
-                tool_calls: Vec::new(),
-            })
-            .collect();
-        let mut usage = UsageOut::default();
-        let mut open = self.choices;
-        let mut timing = Timing::default();
-        while open > 0 {
-            let event = rx.recv().await;
-            if let Some(e) = &event {
-                self.observe(e, &mut timing);
-            }
-            match event {
-                Some(ChoiceEvent::Started { .. }) => {}
-                Some(ChoiceEvent::Text { index, text, logprobs, .. }) => {
-                    let choice = &mut texts[index as usize];
-                    choice.text.push_str(&text);
-                    if let Some(l) = &mut choice.logprobs {
-                        l.extend(logprobs);
-                    }
-                }
-                Some(ChoiceEvent::Done { index, finish, usage: u }) => {
-                    texts[index as usize].finish = response::finish_reason(finish);
-                    usage.add(&u, index % self.n == 0);
-                    open -= 1;
-                }
-                Some(ChoiceEvent::Failed { error, .. }) => return Err(error.into()),
-                None => return Err(ApiError::WorkerFailed("a choice ended without an answer".into())),
-            }
-        }
-        if let Some((family, parallel)) = self.tool_parsing {
-            for c in &mut texts {
-                let (text, calls) = tools::split_calls(family, parallel, &c.text);
-                (c.text, c.tool_calls) = (text, calls);
-                c.finish = response::finish_with_calls(c.finish, !c.tool_calls.is_empty());
-            }
-        }
-        let finishes: Vec<&str> = texts.iter().map(|c| c.finish).collect();
-        let all_text = texts.iter().map(|c| c.text.as_str()).collect::<Vec<_>>().join("\n");
-        self.record(&usage, &finishes, Some(&all_text));
-        self.finished();
+    async fn whole(mut self, rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
+        let (texts, usage) = self.collect(rx).await?;
         let body = response::completion(self.endpoint, &self.header(false), &texts, usage);
         Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
     }

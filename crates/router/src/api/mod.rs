@@ -1,8 +1,10 @@
-//! The OpenAI-compatible HTTP API.
+//! The HTTP API: OpenAI's (chat and text completions, models) and Anthropic's Messages.
 
+pub mod anthropic;
 pub mod completions;
 pub mod error;
 pub mod refusal_log;
+mod reply;
 pub mod request;
 pub mod response;
 pub mod tls_listener;
@@ -53,6 +55,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/ready", get(ready))

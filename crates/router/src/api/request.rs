@@ -24,11 +24,13 @@ use crate::{
     tools::Tools,
 };
 
-/// Which OpenAI endpoint a body came to.
+/// Which endpoint a body came to: OpenAI's chat and text completions, or Anthropic's Messages
+/// (`api::anthropic`), which the router runs as a chat.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     ChatCompletions,
     Completions,
+    Messages,
 }
 
 impl Endpoint {
@@ -36,6 +38,7 @@ impl Endpoint {
         match self {
             Endpoint::ChatCompletions => "chat_completions",
             Endpoint::Completions => "completions",
+            Endpoint::Messages => "messages",
         }
     }
 }
@@ -106,7 +109,7 @@ impl Job {
     /// moved out for tokenization before the prompt is checked against the model.
     pub fn prompt_param(&self) -> &'static str {
         match self.endpoint {
-            Endpoint::ChatCompletions => "messages",
+            Endpoint::ChatCompletions | Endpoint::Messages => "messages",
             Endpoint::Completions => "prompt",
         }
     }
@@ -308,7 +311,7 @@ fn priority(service_tier: Option<&str>, vllm: Option<i64>) -> Result<Option<Prio
 /// The endpoint's own input: `messages` for chat, `prompt` for completions.
 fn input(endpoint: Endpoint, messages: Option<Vec<RawMessage>>, prompt: Option<Value>) -> Result<Input, ApiError> {
     Ok(match endpoint {
-        Endpoint::ChatCompletions => {
+        Endpoint::ChatCompletions | Endpoint::Messages => {
             let messages = messages.ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?;
             Input::Chat(chat_messages(messages)?)
         }
@@ -422,7 +425,7 @@ fn top_logprobs(endpoint: Endpoint, logprobs: Option<Value>, top: Option<i64>) -
         }
     };
     match endpoint {
-        Endpoint::ChatCompletions => {
+        Endpoint::ChatCompletions | Endpoint::Messages => {
             let on = match logprobs {
                 None | Some(Value::Null) | Some(Value::Bool(false)) => false,
                 Some(Value::Bool(true)) => true,

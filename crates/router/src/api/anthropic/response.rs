@@ -1,0 +1,304 @@
+//! What a Messages request gets back, in Anthropic's shapes: a `message` object whole, or the
+//! event sequence its SDK's stream helper accumulates (`message_start`, then per content block
+//! `content_block_start`, its deltas and `content_block_stop`, then `message_delta` with the
+//! stop reason and usage, then `message_stop`), each SSE event named by its `event:` line, which
+//! is what the SDK dispatches on. Errors are `{"type": "error", "error": {"type", "message"}}`
+//! with the status the OpenAI endpoints give the same failure.
+
+use std::convert::Infallible;
+
+use axum::{
+    Json,
+    body::Body,
+    http::StatusCode,
+    response::{
+        IntoResponse, Response,
+        sse::{Event, KeepAlive, Sse},
+    },
+};
+use futures_util::{Stream, StreamExt, stream};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::{
+    api::{
+        error::ApiError,
+        reply::{Reply, Timing},
+        response::{self, ChoiceOut, UsageOut},
+    },
+    dispatch::ChoiceEvent,
+    tools::{ParsedCall, Piece, ToolCallParser},
+};
+
+/// An error as Anthropic's clients read it: the status (and Retry-After) the error always has,
+/// the body in Anthropic's shape.
+pub fn error_response(e: ApiError) -> Response {
+    let kind = error_type(e.status());
+    let message = match &e {
+        ApiError::Unauthorized => "Incorrect or missing API key. Send it as 'x-api-key: <key>'.".to_string(),
+        other => other.body().error.message,
+    };
+    let (parts, _) = e.into_response().into_parts();
+    let body = json!({"type": "error", "error": {"type": kind, "message": message}});
+    Response::from_parts(parts, Body::from(body.to_string()))
+}
+
+/// Anthropic's `error.type` for a status.
+fn error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 | 422 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        504 => "timeout_error",
+        _ => "api_error",
+    }
+}
+
+/// Why generation stopped, in Anthropic's words.
+fn stop_reason(finish: &str) -> &'static str {
+    match finish {
+        "tool_calls" => "tool_use",
+        "length" => "max_tokens",
+        _ => "end_turn",
+    }
+}
+
+/// Anthropic counts cached input apart from `input_tokens` (OpenAI counts it within).
+fn usage(u: &UsageOut) -> Value {
+    let cached = u.prompt_tokens_details.cached_tokens;
+    json!({
+        "input_tokens": u.prompt_tokens - cached,
+        "output_tokens": u.completion_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    })
+}
+
+fn tool_use_block(call: &ParsedCall) -> Value {
+    let input: Value = serde_json::from_str(&call.arguments).unwrap_or_else(|_| json!({}));
+    json!({"type": "tool_use", "id": tool_use_id(), "name": call.name, "input": input})
+}
+
+/// A fresh id for a call (`toolu_` and 24 hex digits, as Anthropic's look).
+fn tool_use_id() -> String {
+    format!("toolu_{:024x}", rand::random::<u128>() >> 32)
+}
+
+/// The whole answer as one `message` object.
+pub async fn whole(mut reply: Reply, rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
+    let (choices, usage) = reply.collect(rx).await?;
+    let choice = choices.first().expect("a Messages request has one choice");
+    Ok(Json(message(&reply, choice, &usage)).into_response())
+}
+
+fn message(reply: &Reply, choice: &ChoiceOut, u: &UsageOut) -> Value {
+    let mut content = Vec::new();
+    if !choice.text.is_empty() || choice.tool_calls.is_empty() {
+        content.push(json!({"type": "text", "text": choice.text}));
+    }
+    content.extend(choice.tool_calls.iter().map(tool_use_block));
+    json!({
+        "id": reply.id,
+        "type": "message",
+        "role": "assistant",
+        "model": reply.model,
+        "content": content,
+        "stop_reason": stop_reason(choice.finish),
+        "stop_sequence": null,
+        "usage": usage(u),
+    })
+}
+
+/// Stream the answer as Anthropic's events. As for chat, the HTTP status waits for the first
+/// event: a request that fails before any output gets its error status, not a 200.
+pub async fn stream(mut reply: Reply, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
+    let mut timing = Timing { streamed: true, ..Timing::default() };
+    let first = loop {
+        match rx.recv().await {
+            Some(ChoiceEvent::Failed { error, .. }) => return Err(error.into()),
+            Some(event @ ChoiceEvent::Started { .. }) => reply.observe(&event, &mut timing),
+            Some(event) => break event,
+            None => return Err(ApiError::WorkerFailed("the request produced nothing".into())),
+        }
+    };
+    let parser = reply.tool_parsing.map(|(family, parallel)| ToolCallParser::new(family, parallel));
+    let state = MessageStream {
+        reply,
+        rx,
+        timing,
+        pending: Some(first),
+        parser,
+        text_block: None,
+        blocks: 0,
+        made_calls: false,
+        announced: false,
+        finished: false,
+    };
+    Ok((StatusCode::OK, Sse::new(events(state)).keep_alive(KeepAlive::default())).into_response())
+}
+
+struct MessageStream {
+    reply: Reply,
+    rx: mpsc::Receiver<ChoiceEvent>,
+    timing: Timing,
+    pending: Option<ChoiceEvent>,
+    /// With tools: reads calls out of the text as it comes.
+    parser: Option<ToolCallParser>,
+    /// The index of the text block open now (text arrives into it until a call or the end).
+    text_block: Option<u32>,
+    /// Content blocks started so far: the next one's index.
+    blocks: u32,
+    made_calls: bool,
+    /// `message_start` was sent.
+    announced: bool,
+    finished: bool,
+}
+
+/// One SSE event: its name (the `event:` line, equal to the data's `type`) and its data.
+type Named = (&'static str, Value);
+
+fn events(state: MessageStream) -> impl Stream<Item = Result<Event, Infallible>> {
+    stream::unfold(state, |mut s| async move {
+        if s.finished {
+            return None;
+        }
+        let event = match s.pending.take() {
+            Some(e) => Some(e),
+            None => s.rx.recv().await,
+        };
+        let out = s.step(event);
+        Some((out, s))
+    })
+    .flat_map(|batch| {
+        stream::iter(batch.into_iter().map(|(name, data)| Ok(Event::default().event(name).data(data.to_string()))))
+    })
+}
+
+impl MessageStream {
+    fn step(&mut self, event: Option<ChoiceEvent>) -> Vec<Named> {
+        let mut out = Vec::with_capacity(3);
+        if !self.announced {
+            self.announced = true;
+            out.push(self.message_start());
+            out.push(("ping", json!({"type": "ping"})));
+        }
+        if let Some(e) = &event {
+            self.reply.observe(e, &mut self.timing);
+        }
+        match event {
+            Some(ChoiceEvent::Started { .. }) => {}
+            Some(ChoiceEvent::Text { text, .. }) => {
+                let pieces = match &mut self.parser {
+                    Some(p) => p.push(&text),
+                    None => vec![Piece::Content(text)],
+                };
+                self.send_pieces(pieces, &mut out);
+            }
+            Some(ChoiceEvent::Done { finish, usage: u, .. }) => {
+                if let Some(p) = &mut self.parser {
+                    let pieces = p.finish();
+                    self.send_pieces(pieces, &mut out);
+                }
+                self.close_text(&mut out);
+                let finish = response::finish_with_calls(response::finish_reason(finish), self.made_calls);
+                let mut total = UsageOut::default();
+                total.add(&u, true);
+                self.reply.record(&total, &[stop_reason(finish)], None);
+                self.reply.finished();
+                let delta = json!({"stop_reason": stop_reason(finish), "stop_sequence": null});
+                out.push(("message_delta", json!({"type": "message_delta", "delta": delta, "usage": usage(&total)})));
+                out.push(("message_stop", json!({"type": "message_stop"})));
+                self.finished = true;
+            }
+            Some(ChoiceEvent::Failed { error, .. }) => self.fail(ApiError::from(error), &mut out),
+            None => self.fail(ApiError::WorkerFailed("the stream ended without finishing".into()), &mut out),
+        }
+        out
+    }
+
+    fn message_start(&self) -> Named {
+        let usage = json!({"input_tokens": self.reply.prompt_tokens, "output_tokens": 0});
+        let message = json!({
+            "id": self.reply.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.reply.model,
+            "content": [],
+            "stop_reason": null,
+            "stop_sequence": null,
+            "usage": usage,
+        });
+        ("message_start", json!({"type": "message_start", "message": message}))
+    }
+
+    /// Text goes into the open text block (opened as needed); a call closes it and is a
+    /// `tool_use` block of its own, its arguments in one `input_json_delta`.
+    fn send_pieces(&mut self, pieces: Vec<Piece>, out: &mut Vec<Named>) {
+        for piece in pieces {
+            match piece {
+                Piece::Content(text) if text.is_empty() => {}
+                Piece::Content(text) => {
+                    let index = self.open_text(out);
+                    let delta = json!({"type": "text_delta", "text": text});
+                    out.push((
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": index, "delta": delta}),
+                    ));
+                }
+                Piece::Call(call) => {
+                    self.close_text(out);
+                    let index = self.next_block();
+                    let block = json!({"type": "tool_use", "id": tool_use_id(), "name": call.name, "input": {}});
+                    let delta = json!({"type": "input_json_delta", "partial_json": call.arguments});
+                    out.push((
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": index, "content_block": block}),
+                    ));
+                    out.push((
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": index, "delta": delta}),
+                    ));
+                    out.push(("content_block_stop", json!({"type": "content_block_stop", "index": index})));
+                    self.made_calls = true;
+                }
+            }
+        }
+    }
+
+    fn next_block(&mut self) -> u32 {
+        self.blocks += 1;
+        self.blocks - 1
+    }
+
+    fn open_text(&mut self, out: &mut Vec<Named>) -> u32 {
+        if let Some(index) = self.text_block {
+            return index;
+        }
+        let index = self.next_block();
+        self.text_block = Some(index);
+        let block = json!({"type": "text", "text": ""});
+        out.push((
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": block}),
+        ));
+        index
+    }
+
+    fn close_text(&mut self, out: &mut Vec<Named>) {
+        if let Some(index) = self.text_block.take() {
+            out.push(("content_block_stop", json!({"type": "content_block_stop", "index": index})));
+        }
+    }
+
+    /// A failure after the 200: Anthropic's `error` event, which the SDK raises as an error.
+    fn fail(&mut self, e: ApiError, out: &mut Vec<Named>) {
+        self.reply.span.record("otel.status_code", "ERROR");
+        let kind = error_type(e.status());
+        out.push(("error", json!({"type": "error", "error": {"type": kind, "message": e.body().error.message}})));
+        self.finished = true;
+    }
+}
