@@ -4,7 +4,7 @@
 //!
 //! A Messages request runs the same pipeline as a chat completion (admission, tenants' limits
 //! and charging, placement, retries and migration, tracing and metrics: `api::completions`);
-//! only its body's parsing ([`request`]) and its answer's and errors' shapes ([`response`]) are
+//! only its body's parsing (`request`) and its answer's and errors' shapes (`response`) are
 //! its own. So whatever chat guarantees, a Messages request gets too.
 
 mod request;
