@@ -44,6 +44,9 @@ use crate::{
 /// How often the fair queue looks for room freed under the global cap.
 const FAIR_QUEUE_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
+/// How long the start-up check of etcd's credentials waits for etcd.
+const ETCD_CHECK_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Build the router's state and start discovery (needs a tokio runtime: shard 0 of `shards`).
 /// `port` is the HTTP port, for the default router id.
 pub fn start(args: &RouterArgs, port: u16, shards: Arc<Shards>) -> anyhow::Result<Arc<AppState>> {
@@ -163,6 +166,12 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         "no workers to route to: give --workers host:port,... or --etcd-endpoints"
     );
     let http_tls = args.http_tls.load()?;
+    let etcd = args.etcd_endpoints();
+    if !etcd.is_empty() {
+        // Refused credentials stop the router now: no retry mends them.
+        let prefix = bellows_common::cluster::workers_prefix(&args.cluster)?;
+        args.etcd_auth.options()?.check_access(&etcd, &prefix, ETCD_CHECK_LIMIT).await?;
+    }
     let listener =
         tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let addr = listener.local_addr()?;

@@ -80,6 +80,24 @@ pub struct Etcd {
     peer_port: u16,
     child: Option<Child>,
     tls: Option<EtcdTls>,
+    auth: Option<EtcdAuth>,
+}
+
+/// The etcd user [`Etcd::start_auth`] creates: its role may read and write `/bellows/` only.
+pub const ETCD_USER: &str = "bellows";
+const ETCD_PASSWORD: &str = "bellows-secret";
+const ETCD_ROOT_PASSWORD: &str = "root-secret";
+
+/// etcd's own password auth, as [`Etcd::start_auth`] sets it up.
+pub struct EtcdAuth {
+    /// [`ETCD_USER`]'s password, in a file as the processes take it.
+    pub password_file: PathBuf,
+    /// A password etcd refuses for [`ETCD_USER`].
+    pub wrong_password_file: PathBuf,
+    /// etcd's `--auth-token-ttl`: a simple token dies this long after the request that last used it.
+    pub token_ttl: Duration,
+    /// Set once `auth enable` is done: the test's own calls log in as root from then on.
+    enabled: bool,
 }
 
 /// An etcd that serves TLS and requires client certificates.
@@ -117,7 +135,7 @@ impl Etcd {
     /// Start a member on fresh ports; one that lost a port to another test (see
     /// `Process::lost_its_port`) is started again on others.
     pub async fn start() -> Etcd {
-        Etcd::start_with(None).await
+        Etcd::start_with(None, None).await
     }
 
     /// A member serving TLS with a certificate from `pki`, refusing clients without one.
@@ -127,16 +145,87 @@ impl Etcd {
             server: pki.issue("etcd-server", &["127.0.0.1", "localhost"]),
             client: pki.issue("etcd-client", &["etcd-client"]),
         };
-        Etcd::start_with(Some(tls)).await
+        Etcd::start_with(Some(tls), None).await
+    }
+
+    /// A member with password auth enabled: user root, and [`ETCD_USER`] with a role that may
+    /// read and write `/bellows/` only. Simple tokens die `token_ttl` (whole seconds) after
+    /// their last use. The test's own calls ([`Etcd::client`]) log in as root.
+    pub async fn start_auth(token_ttl: Duration) -> Etcd {
+        let dir = TempDir::new().unwrap();
+        let (password_file, wrong_password_file) = (dir.path().join("password"), dir.path().join("wrong-password"));
+        std::fs::write(&password_file, format!("{ETCD_PASSWORD}\n")).unwrap();
+        std::fs::write(&wrong_password_file, "not-the-password\n").unwrap();
+        let auth = EtcdAuth { password_file, wrong_password_file, token_ttl, enabled: false };
+        let mut e = Etcd::start_in(dir, None, Some(auth)).await;
+        let mut c = e.client().await;
+        c.role_add("root").await.unwrap();
+        c.user_add("root", ETCD_ROOT_PASSWORD, None).await.unwrap();
+        c.user_grant_role("root", "root").await.unwrap();
+        c.role_add("bellows").await.unwrap();
+        c.role_grant_permission("bellows", etcd_client::Permission::read_write("/bellows/").with_prefix())
+            .await
+            .unwrap();
+        c.user_add(ETCD_USER, ETCD_PASSWORD, None).await.unwrap();
+        c.user_grant_role(ETCD_USER, "bellows").await.unwrap();
+        c.auth_enable().await.unwrap();
+        e.auth.as_mut().expect("set above").enabled = true;
+        e
+    }
+
+    pub fn auth(&self) -> Option<&EtcdAuth> {
+        self.auth.as_ref()
+    }
+
+    /// Flags for a router or worker logging in as [`ETCD_USER`] with the right password, or with
+    /// a wrong one.
+    pub fn auth_flags(&self, right_password: bool) -> Vec<String> {
+        let auth = self.auth.as_ref().expect("an etcd started with start_auth");
+        let file = if right_password { &auth.password_file } else { &auth.wrong_password_file };
+        vec!["--etcd-user".into(), ETCD_USER.into(), "--etcd-password-file".into(), file.to_string_lossy().into_owned()]
+    }
+
+    /// Wait until etcd has dropped every token that no request has used since this call began:
+    /// those of the routers and workers that only streamed since (etcd checks no token on a
+    /// watch or a keep-alive stream).
+    ///
+    /// A token's life is wall time, and etcd says nothing when it drops one, so what is waited
+    /// for is etcd's answer: tokens minted at the start, each used once to ask, oldest first,
+    /// until etcd calls one invalid. Asking renews the token asked with (etcd restarts a token's
+    /// TTL at each use), hence a fresh one each time; a refused token was minted after every
+    /// token in question was last used, so those are gone too.
+    pub async fn wait_tokens_expired(&self) {
+        let auth = self.auth.as_ref().filter(|a| a.enabled).expect("an etcd with auth enabled");
+        const ASK_EVERY: Duration = Duration::from_millis(250);
+        // etcd looks for dead tokens once a second: a few seconds past the TTL at most.
+        let asks = ((auth.token_ttl + Duration::from_secs(5)).as_millis() / ASK_EVERY.as_millis()) as usize;
+        let login = etcd_client::ConnectOptions::new().with_user(ETCD_USER, ETCD_PASSWORD);
+        let mut probes = Vec::with_capacity(asks);
+        for _ in 0..asks {
+            // Each client logs in once (a token of its own) and is not used until asked.
+            probes.push(etcd_client::Client::connect([self.endpoint()], Some(login.clone())).await.unwrap());
+        }
+        for mut probe in probes {
+            tokio::time::sleep(ASK_EVERY).await;
+            match probe.get("/bellows/token-probe", None).await {
+                Ok(_) => continue,
+                Err(etcd_client::Error::GRpcStatus(s)) if s.message().contains("invalid auth token") => return,
+                Err(e) => panic!("etcd failed a token probe: {e}"),
+            }
+        }
+        panic!("etcd kept tokens alive more than {:?} past their TTL", auth.token_ttl + Duration::from_secs(5));
     }
 
     pub fn tls(&self) -> Option<&EtcdTls> {
         self.tls.as_ref()
     }
 
-    async fn start_with(tls: Option<EtcdTls>) -> Etcd {
-        let mut e =
-            Etcd { dir: TempDir::new().unwrap(), client_port: free_port(), peer_port: free_port(), child: None, tls };
+    async fn start_with(tls: Option<EtcdTls>, auth: Option<EtcdAuth>) -> Etcd {
+        Etcd::start_in(TempDir::new().unwrap(), tls, auth).await
+    }
+
+    async fn start_in(dir: TempDir, tls: Option<EtcdTls>, auth: Option<EtcdAuth>) -> Etcd {
+        let mut e = Etcd { dir, client_port: free_port(), peer_port: free_port(), child: None, tls, auth };
         for _ in 1..START_ATTEMPTS {
             if e.spawn().await {
                 return e;
@@ -158,7 +247,11 @@ impl Etcd {
     }
 
     fn options(&self) -> Option<etcd_client::ConnectOptions> {
-        self.tls.as_ref().map(EtcdTls::options)
+        let options = self.tls.as_ref().map(EtcdTls::options);
+        match &self.auth {
+            Some(auth) if auth.enabled => Some(options.unwrap_or_default().with_user("root", ETCD_ROOT_PASSWORD)),
+            _ => options,
+        }
     }
 
     /// Spawn etcd and wait until it serves; false if it exited because a port was taken.
@@ -169,6 +262,11 @@ impl Etcd {
         if let Some(tls) = &self.tls {
             command.arg("--cert-file").arg(&tls.server.cert).arg("--key-file").arg(&tls.server.key);
             command.arg("--client-cert-auth").arg("--trusted-ca-file").arg(&tls.ca);
+        }
+        if let Some(auth) = &self.auth {
+            let ttl = auth.token_ttl.as_secs_f64().ceil().max(1.0).to_string();
+            // The lowest bcrypt cost: each login hashes the password, and tests log in often.
+            command.args(["--auth-token", "simple", "--auth-token-ttl", &ttl, "--bcrypt-cost", "4"]);
         }
         let child = command
             .args(["--name", "test", "--data-dir"])

@@ -8,6 +8,19 @@
 //! current when it is made, and connections already open keep theirs, so a rotation drops no
 //! stream. etcd's TLS and password files are re-read at each (re)connection to etcd
 //! ([`EtcdOptions`]): a renewed client certificate is used from the next connection on.
+//!
+//! etcd's password auth hands out a token at login, and a simple token dies after
+//! `--auth-token-ttl` (300 s by default) without a request that uses it. Routers and workers
+//! keep one client per connection for as long as it works and mostly talk over streams (watch,
+//! lease keep-alive), which etcd does not check the token on, so the token of a long-lived
+//! client is usually dead by the time it makes its next plain call: the worker's lease revoke
+//! at shutdown, say. etcd-client logs in again and retries such a call once only when asked to
+//! (`with_auto_token_refresh`), so [`EtcdAuthArgs`] asks whenever a user is given.
+//!
+//! A wrong password, a missing user or a role that may not read the cluster's keys is a
+//! configuration error no retry mends: [`EtcdOptions::check_access`] makes it one at start
+//! ([`EtcdAccessError`]), and [`EtcdAccessError::of`] tells it apart from an unreachable etcd
+//! later on, so that the retry loops can say so at error level.
 
 pub mod cluster;
 pub mod http;
@@ -120,7 +133,8 @@ impl EtcdAuthArgs {
         match (&self.etcd_user, &self.etcd_password_file) {
             (Some(user), Some(file)) => {
                 let password = String::from_utf8_lossy(&read(file)?).trim_end_matches(['\r', '\n']).to_string();
-                options = options.with_user(user, password);
+                // See the module docs: a token that etcd dropped is renewed, not fatal.
+                options = options.with_user(user, password).with_auto_token_refresh(true);
             }
             (None, None) => {}
             (Some(_), None) => {
@@ -184,6 +198,85 @@ impl EtcdOptions {
                     tracing::warn!("etcd's TLS or password files do not load ({e}): connecting with the last good set");
                 }
                 files.last_good.lock().expect("etcd options lock").clone()
+            }
+        }
+    }
+}
+
+/// etcd answered and refuses this process: its credentials, or their absence, are wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdAccessError {
+    #[error("etcd authentication failed for user {user:?} ({message}): check --etcd-user and --etcd-password-file")]
+    LoginRefused { user: String, message: String },
+    #[error(
+        "etcd has authentication disabled but --etcd-user {user:?} is given ({message}): drop --etcd-user and --etcd-password-file, or enable etcd's auth"
+    )]
+    AuthNotEnabled { user: String, message: String },
+    #[error("etcd requires authentication ({message}): give --etcd-user and --etcd-password-file")]
+    LoginRequired { message: String },
+    #[error("etcd denies user {user:?} access to {prefix} ({message}): grant its role readwrite on the prefix")]
+    PermissionDenied { user: String, prefix: String, message: String },
+}
+
+impl EtcdAccessError {
+    /// `e` as a refusal that no retry mends, for `user` (`None`: no credentials) on `prefix`;
+    /// `None` for anything else (etcd unreachable, a timeout, an expired token).
+    pub fn of(e: &etcd_client::Error, user: Option<&str>, prefix: &str) -> Option<EtcdAccessError> {
+        let etcd_client::Error::GRpcStatus(status) = e else { return None };
+        let message = status.message().to_string();
+        let user = user.map(str::to_string);
+        // etcd's words (its `rpctypes` errors) are all there is: the gRPC codes are shared with
+        // other failures (InvalidArgument, FailedPrecondition).
+        match (message.as_str(), user) {
+            (m, Some(user)) if m.contains("authentication failed") => Some(Self::LoginRefused { user, message }),
+            (m, Some(user)) if m.contains("authentication is not enabled") => {
+                Some(Self::AuthNotEnabled { user, message })
+            }
+            (m, None) if m.contains("user name is empty") || m.contains("authentication failed") => {
+                Some(Self::LoginRequired { message })
+            }
+            (m, user) if m.contains("permission denied") => {
+                Some(Self::PermissionDenied { user: user.unwrap_or_default(), prefix: prefix.to_string(), message })
+            }
+            _ => None,
+        }
+    }
+}
+
+impl EtcdOptions {
+    /// The user these options log in as, if any.
+    pub fn user(&self) -> Option<&str> {
+        self.0.args.etcd_user.as_deref()
+    }
+
+    /// Log in to etcd and read `prefix` once, so that refused credentials stop the process at
+    /// start with [`EtcdAccessError`] rather than being retried forever. An etcd that does not
+    /// answer (down, or slower than `limit`) is no error: the process serves without it and its
+    /// retry loops connect later.
+    pub async fn check_access(
+        &self,
+        endpoints: &[String],
+        prefix: &str,
+        limit: Duration,
+    ) -> Result<(), EtcdAccessError> {
+        let options = self.current().with_connect_timeout(limit).with_timeout(limit);
+        let attempt = async {
+            let mut client = etcd_client::Client::connect(endpoints, Some(options)).await?;
+            let only_count = etcd_client::GetOptions::new().with_prefix().with_count_only();
+            client.get(prefix, Some(only_count)).await.map(drop)
+        };
+        match tokio::time::timeout(limit, attempt).await {
+            Ok(Err(e)) => match EtcdAccessError::of(&e, self.user(), prefix) {
+                Some(refused) => Err(refused),
+                None => {
+                    tracing::warn!("etcd does not answer yet ({e}); serving on and connecting later");
+                    Ok(())
+                }
+            },
+            Ok(Ok(())) => Ok(()),
+            Err(_) => {
+                tracing::warn!("etcd does not answer within {limit:?}; serving on and connecting later");
+                Ok(())
             }
         }
     }
@@ -272,6 +365,12 @@ mod tests {
         };
         let options = args.options().unwrap();
         assert!(format!("{:?}", options.current()).contains("first-secret"));
+        // A token etcd has dropped is renewed by logging in again (module docs).
+        assert!(format!("{:?}", options.current()).contains("refresh_expired_token: true"));
+        assert!(
+            format!("{:?}", EtcdAuthArgs::default().connect_options().unwrap())
+                .contains("refresh_expired_token: false")
+        );
         std::fs::write(&password, "rotated-secret\n").unwrap();
         assert!(format!("{:?}", options.current()).contains("rotated-secret"), "the rotated file was not read");
         std::fs::remove_file(&password).unwrap();

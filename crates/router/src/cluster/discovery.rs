@@ -8,7 +8,7 @@
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use bellows_common::cluster::{WorkerRecord, node_id_of, workers_prefix};
-use bellows_common::tls::EtcdOptions;
+use bellows_common::tls::{EtcdAccessError, EtcdOptions};
 use etcd_client::{Client, EventType, GetOptions, WatchOptions};
 
 use super::Cluster;
@@ -38,7 +38,14 @@ pub async fn follow_etcd(cluster: Arc<Cluster>, endpoints: Vec<String>, options:
         match watch_once(&cluster, &endpoints, &options, &cluster_name, &prefix).await {
             Ok(()) => backoff = Duration::from_millis(100),
             Err(e) => {
-                tracing::warn!("etcd watch interrupted (serving on the last known workers): {e:#}");
+                match e.downcast_ref().and_then(|e| EtcdAccessError::of(e, options.user(), &prefix)) {
+                    // Checked at start; refused now (a rotated password etcd does not know yet):
+                    // said as what it is, and retried with the password file read again.
+                    Some(refused) => {
+                        tracing::error!("etcd refuses the router (serving on the last known workers): {refused}")
+                    }
+                    None => tracing::warn!("etcd watch interrupted (serving on the last known workers): {e:#}"),
+                }
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }

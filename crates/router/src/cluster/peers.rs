@@ -8,7 +8,7 @@ use std::{collections::HashSet, time::Duration};
 
 pub use bellows_common::cluster::hostname;
 use bellows_common::cluster::{router_key, routers_prefix};
-use bellows_common::tls::EtcdOptions;
+use bellows_common::tls::{EtcdAccessError, EtcdOptions};
 use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
 
 /// Lease of a router's registration: a router that dies stops counting after this.
@@ -26,7 +26,11 @@ pub async fn share_with_peers(
     let mut backoff = Duration::from_millis(200);
     loop {
         if let Err(e) = follow(&endpoints, &options, &cluster, &id, &on_count).await {
-            tracing::warn!("router registration interrupted (keeping the last known share): {e:#}");
+            let prefix = routers_prefix(&cluster).unwrap_or_default();
+            match e.downcast_ref().and_then(|e| EtcdAccessError::of(e, options.user(), &prefix)) {
+                Some(refused) => tracing::error!("etcd refuses the router (keeping the last known share): {refused}"),
+                None => tracing::warn!("router registration interrupted (keeping the last known share): {e:#}"),
+            }
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));

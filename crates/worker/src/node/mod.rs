@@ -97,6 +97,11 @@ pub(crate) async fn serve_node(
     let key = worker_key(&args.cluster, &node_id)?;
     let tls = args.tls.load()?;
     let etcd_options = args.etcd_auth.options()?;
+    let endpoints = args.etcd_endpoints();
+    if !endpoints.is_empty() {
+        // Refused credentials stop the node now, before the model loads: no retry mends them.
+        etcd_options.check_access(&endpoints, &key, registration::CALL_TIMEOUT).await?;
+    }
     // Said once per process: a fleet's nodes (no `metrics`) share its flags.
     if tls.is_none() && metrics {
         tracing::warn!(
@@ -173,7 +178,6 @@ pub(crate) async fn serve_node(
     lifecycle.advance(Phase::Serving);
     set_health(&health, ServingStatus::Serving).await;
 
-    let endpoints = args.etcd_endpoints();
     if !endpoints.is_empty() && !args.etcd_auth.encrypted() && metrics {
         tracing::warn!("the link to etcd is plaintext (set --etcd-ca, and --etcd-cert/--etcd-key for client auth)");
     }

@@ -8,17 +8,23 @@
 //! and a key can never be left on a lease that nobody keeps alive.
 //!
 //! Deregistration revokes the lease: routers watching the prefix see the key go at once, not a
-//! TTL later.
+//! TTL later. With etcd's password auth the client's token has usually expired by then (the
+//! keep-alive stream does not use it); the client logs in again for the revoke (see
+//! `bellows_common::tls`).
+//!
+//! Credentials etcd refuses are checked at start (the node exits); refused later (a rotated
+//! password etcd does not know yet), they are logged at error level and retried, the password
+//! file being read again at each attempt.
 
 use std::time::Duration;
 
 use bellows_common::cluster::WorkerRecord;
-use bellows_common::tls::EtcdOptions;
+use bellows_common::tls::{EtcdAccessError, EtcdOptions};
 use etcd_client::{Client, PutOptions};
 use tokio::{sync::oneshot, task::JoinHandle, time::timeout};
 
 /// The longest one etcd call may take before the node treats etcd as unreachable.
-const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// Retry delays after a failure: doubling from the first to the last.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
 
@@ -66,18 +72,30 @@ async fn run(cfg: RegistrationConfig, mut stop: oneshot::Receiver<()>) {
     let mut held: Option<Held> = None;
     let mut backoff = BACKOFF.0;
     let mut failures = 0u32;
+    let mut was_refused = false;
     loop {
         let outcome = tokio::select! {
             _ = &mut stop => break,
             e = session(&cfg, ttl_secs, &value, &mut held, &mut failures) => e,
         };
         // A session only returns on failure; `failures` is 0 if it had registered.
-        if failures == 0 {
-            tracing::warn!(error = %outcome, key = %cfg.key, "etcd registration failed; serving on and retrying");
-            backoff = BACKOFF.0;
-        } else {
-            tracing::debug!(error = %outcome, "etcd still unreachable");
+        let refused = outcome.downcast_ref().and_then(|e| EtcdAccessError::of(e, cfg.options.user(), &cfg.key));
+        if let Some(refused) = refused {
+            // Not left to the debug lines below: nothing but a fixed credential ends it.
+            if failures == 0 || !was_refused {
+                tracing::error!(key = %cfg.key, "etcd refuses this node, retrying: {refused}");
+            }
+            was_refused = true;
             backoff = (backoff * 2).min(BACKOFF.1);
+        } else {
+            if failures == 0 {
+                tracing::warn!(error = %outcome, key = %cfg.key, "etcd registration failed; serving on and retrying");
+                backoff = BACKOFF.0;
+            } else {
+                tracing::debug!(error = %outcome, "etcd still unreachable");
+                backoff = (backoff * 2).min(BACKOFF.1);
+            }
+            was_refused = false;
         }
         failures += 1;
         tokio::select! {
