@@ -28,13 +28,6 @@ fn router_args(etcd: &Etcd, right_password: bool) -> Vec<String> {
     args
 }
 
-async fn wait_placeable(router: &Router, n: f64) {
-    eventually(&format!("{n} placeable workers"), Duration::from_secs(20), || async {
-        (router.metric("bellows_router_placeable_workers").await == n).then_some(())
-    })
-    .await;
-}
-
 async fn completes(router: &Router) -> bool {
     let (status, _, _) = router.post("/v1/completions", &json!({"model": "sim", "prompt": "x", "max_tokens": 2})).await;
     status == 200
@@ -67,7 +60,7 @@ async fn a_router_and_worker_that_log_in_to_an_auth_enabled_etcd_serve() {
     let router = Router::start(&router_args(&etcd, true)).await;
     // Registered (a put under the user's role) and found (a list and a watch under it).
     eventually("the worker's key in etcd", Duration::from_secs(20), || lease_of(&etcd, "a")).await;
-    wait_placeable(&router, 1.0).await;
+    router.wait_placeable(1).await;
     assert!(completes(&router).await, "a request through the discovered worker");
     // The router registered itself too (its share of the tenants' limits).
     eventually("the router counted in etcd", Duration::from_secs(20), || async {
@@ -105,7 +98,7 @@ async fn after_etcd_drops_the_login_tokens_the_cluster_discovers_serves_keeps_it
     // on the same lease after it if the keep-alive went on.
     let mut first = Worker::start(&worker_args(&etcd, "first", "3s", true)).await;
     let router = Router::start(&router_args(&etcd, true)).await;
-    wait_placeable(&router, 1.0).await;
+    router.wait_placeable(1).await;
     let lease = eventually("the first worker's key", Duration::from_secs(20), || lease_of(&etcd, "first")).await;
 
     // From here on the router and the worker only stream (a watch, keep-alives): etcd lets
@@ -114,7 +107,7 @@ async fn after_etcd_drops_the_login_tokens_the_cluster_discovers_serves_keeps_it
 
     assert_eq!(lease_of(&etcd, "first").await, Some(lease), "the first worker's lease lapsed or was replaced");
     let _second = Worker::start(&worker_args(&etcd, "second", "3s", true)).await;
-    wait_placeable(&router, 2.0).await;
+    router.wait_placeable(2).await;
     for _ in 0..4 {
         assert!(completes(&router).await, "the router serves after the tokens expired");
     }
@@ -127,6 +120,6 @@ async fn after_etcd_drops_the_login_tokens_the_cluster_discovers_serves_keeps_it
     let log = first.log();
     assert!(log.contains("deregistered"), "the lease revoke failed after the token expired; log:\n{log}");
     assert_eq!(lease_of(&etcd, "first").await, None, "the key outlived its worker");
-    wait_placeable(&router, 1.0).await;
+    router.wait_placeable(1).await;
     assert!(completes(&router).await);
 }

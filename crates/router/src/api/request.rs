@@ -178,17 +178,20 @@ struct StreamOptions {
 /// Parse and validate a body. Model-dependent checks (token ids within the vocabulary, context
 /// length) come later, once the model is known.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Job, ApiError> {
-    // The plain parse is the fast path; a body it refuses is parsed again, tracking the path,
-    // for the error's `param` (and taken if that parse accepts it: trailing bytes after the
-    // object are tolerated, as they always were).
-    let raw = match serde_json::from_slice::<RawRequest>(body) {
-        Ok(raw) => raw,
-        Err(_) => parse_tracking_path(body)?,
-    };
-    validate(endpoint, raw)
+    validate(endpoint, deserialize(body)?)
 }
 
-fn parse_tracking_path(body: &[u8]) -> Result<RawRequest, ApiError> {
+/// A body as `T`: the plain parse is the fast path; a body it refuses is parsed again, tracking
+/// the path, for the error's `param` (and taken if that parse accepts it: trailing bytes after
+/// the object are tolerated, as they always were).
+pub(super) fn deserialize<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    match serde_json::from_slice::<T>(body) {
+        Ok(raw) => Ok(raw),
+        Err(_) => parse_tracking_path(body),
+    }
+}
+
+fn parse_tracking_path<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -550,7 +553,7 @@ fn unsupported(bad: bool, param: &str, message: &str) -> Result<(), ApiError> {
 }
 
 /// `x` within the parameter's range (shared with the worker). NaN is never in range.
-fn in_range(x: Option<f32>, param: &str, range: Range) -> Result<Option<f32>, ApiError> {
+pub(super) fn in_range(x: Option<f32>, param: &str, range: Range) -> Result<Option<f32>, ApiError> {
     match x {
         Some(v) if !range.contains(v) => {
             Err(ApiError::invalid(param, format!("'{param}' must be in {range}, got {v}")))

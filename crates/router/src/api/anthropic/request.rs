@@ -13,7 +13,7 @@ use bellows_common::{
     chat_template::ChatMessage,
     constraint::{Constraint, JsonBounds},
     priority::Priority,
-    sampling_limits::{self as limits, Range},
+    sampling_limits as limits,
 };
 use bellows_proto::worker::v1 as pb;
 use serde::Deserialize;
@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use crate::{
     api::{
         error::ApiError,
-        request::{Endpoint, Input, Job, MAX_STOP},
+        request::{Endpoint, Input, Job, MAX_STOP, deserialize, in_range},
         tool_request,
     },
     dispatch::{GenerationParams, Structured},
@@ -69,29 +69,7 @@ pub enum Purpose {
 
 /// Parse and validate a Messages body.
 pub fn parse(body: &[u8], purpose: Purpose) -> Result<Job, ApiError> {
-    let raw: RawMessages = match serde_json::from_slice(body) {
-        Ok(raw) => raw,
-        Err(_) => parse_tracking_path(body)?,
-    };
-    validate(raw, purpose)
-}
-
-fn parse_tracking_path(body: &[u8]) -> Result<RawMessages, ApiError> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if inner.is_syntax() || inner.is_eof() {
-            ApiError::InvalidRequest {
-                message: format!("The body of the request is not valid JSON: {inner}"),
-                param: None,
-            }
-        } else if path == "." {
-            ApiError::InvalidRequest { message: format!("Invalid request: {inner}"), param: None }
-        } else {
-            ApiError::invalid(path.clone(), format!("{path}: {inner}"))
-        }
-    })
+    validate(deserialize(body)?, purpose)
 }
 
 fn validate(raw: RawMessages, purpose: Purpose) -> Result<Job, ApiError> {
@@ -142,13 +120,6 @@ fn validate(raw: RawMessages, purpose: Purpose) -> Result<Job, ApiError> {
         cache_salt: None,
         json_bounds: JsonBounds::Bounded,
     })
-}
-
-fn in_range(x: Option<f32>, param: &str, range: Range) -> Result<Option<f32>, ApiError> {
-    match x {
-        Some(v) if !range.contains(v) => Err(ApiError::invalid(param, format!("{param}: must be in {range}, got {v}"))),
-        other => Ok(other),
-    }
 }
 
 /// `system`: a string or a list of text blocks, the conversation's first turn.
