@@ -15,9 +15,13 @@ if ((${#need[@]})); then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 "$(dirname "$0")/fetch-model.sh" --all >/dev/null
-# The official OpenAI Python client, for the API conformance test (its own folder, not the system's).
-openai_dir="${BELLOWS_PY_OPENAI:-$HOME/.cache/bellows/py-openai}"
-if ! PYTHONPATH="$openai_dir" python3 -c 'import openai' 2>/dev/null; then
-    python3 -m pip install --quiet --disable-pip-version-check --no-warn-conflicts --target "$openai_dir" "openai==1.109.1" 2>&1 |
-        grep -v "Running pip as the 'root' user" || true
-fi
+# The official OpenAI and Anthropic Python clients, for the API conformance tests (each in its own
+# folder, not the system's).
+install_client() { # <folder> <module> <requirement>
+    if ! PYTHONPATH="$1" python3 -c "import $2" 2>/dev/null; then
+        python3 -m pip install --quiet --disable-pip-version-check --no-warn-conflicts --target "$1" "$3" 2>&1 |
+            grep -v "Running pip as the 'root' user" || true
+    fi
+}
+install_client "${BELLOWS_PY_OPENAI:-$HOME/.cache/bellows/py-openai}" openai "openai==1.109.1"
+install_client "${BELLOWS_PY_ANTHROPIC:-$HOME/.cache/bellows/py-anthropic}" anthropic "anthropic==2.17.0"

@@ -83,6 +83,8 @@ pub enum ChoiceEvent {
     Done {
         index: u32,
         finish: pb::FinishReason,
+        /// The request's stop string that ended the choice, when one did.
+        stop_sequence: Option<String>,
         usage: pb::Usage,
     },
     Failed {
@@ -205,7 +207,12 @@ impl Dispatcher {
                         // Everything asked for was generated; only the Finished message was lost.
                         let usage = usage(&choice, &progress, 0);
                         let _ = tx
-                            .send(ChoiceEvent::Done { index: choice.index, finish: pb::FinishReason::Length, usage })
+                            .send(ChoiceEvent::Done {
+                                index: choice.index,
+                                finish: pb::FinishReason::Length,
+                                stop_sequence: None,
+                                usage,
+                            })
                             .await;
                         return Ok(());
                     }
@@ -353,7 +360,8 @@ impl Dispatcher {
         self.metrics.completion_tokens.inc_by(u64::from(usage.completion_tokens));
         self.metrics.cached_tokens.inc_by(u64::from(usage.cached_prompt_tokens));
         let finish = pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Stop);
-        let _ = tx.send(ChoiceEvent::Done { index: choice.index, finish, usage }).await;
+        let done = ChoiceEvent::Done { index: choice.index, finish, stop_sequence: f.stop_sequence, usage };
+        let _ = tx.send(done).await;
     }
 
     fn record_failure(

@@ -132,15 +132,27 @@ impl PromptTokenizer {
         tools: Option<&Tools>,
         kwargs: Option<&TemplateKwargs>,
     ) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_chat_with(messages, tools, kwargs, ChatEncoding::GENERATE)
+    }
+
+    /// [`PromptTokenizer::encode_chat`] with the rendering's choices made by the caller (what
+    /// `/v1/tokenize` lets a client choose).
+    pub fn encode_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Tools>,
+        kwargs: Option<&TemplateKwargs>,
+        how: ChatEncoding,
+    ) -> Result<Vec<u32>, TokenizeError> {
         let renders_tools = self.template().is_some_and(ChatTemplate::renders_tools);
         let (messages, tools) = tools::prompt::conversation(messages, tools, renders_tools);
         let messages: &[ChatMessage] = &messages;
         match self {
             PromptTokenizer::Model { template: Some(t), tokenizer } => {
                 let text = t
-                    .render_with_tools(messages, true, tools.as_deref(), kwargs)
+                    .render_with_tools(messages, how.add_generation_prompt, tools.as_deref(), kwargs)
                     .map_err(|e| TokenizeError::Template(e.to_string()))?;
-                encode(tokenizer, &text, false)
+                encode(tokenizer, &text, how.add_special_tokens)
             }
             PromptTokenizer::Model { template: None, .. } => Err(TokenizeError::NoChatTemplate),
             PromptTokenizer::Sim { vocab_size } => {
@@ -152,11 +164,51 @@ impl PromptTokenizer {
 
     /// Tokenize a completion prompt, with BOS when the model wants one.
     pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_text_with(text, true)
+    }
+
+    /// Tokenize text, with the model's special tokens (BOS) only if `add_special_tokens`.
+    pub fn encode_text_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         match self {
-            PromptTokenizer::Model { tokenizer, .. } => encode(tokenizer, text, true),
+            PromptTokenizer::Model { tokenizer, .. } => encode(tokenizer, text, add_special_tokens),
             PromptTokenizer::Sim { vocab_size } => Ok(sim_encode(text, *vocab_size)),
         }
     }
+
+    /// The text of token ids (control tokens written out, as in the prompt they came from). The
+    /// ids must be within the vocabulary: the caller checks them against it.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        match self {
+            PromptTokenizer::Model { tokenizer, .. } => {
+                tokenizer.decode(ids, false).map_err(|e| TokenizeError::Encode(e.to_string()))
+            }
+            PromptTokenizer::Sim { .. } => Ok(ids.iter().map(|&id| sim_token(id)).collect::<Vec<_>>().join(" ")),
+        }
+    }
+
+    /// Each id's token as the vocabulary spells it (byte-level BPE's `Ġ` for a space, for one).
+    pub fn token_strs(&self, ids: &[u32]) -> Vec<String> {
+        match self {
+            PromptTokenizer::Model { tokenizer, .. } => {
+                ids.iter().map(|&id| tokenizer.id_to_token(id).unwrap_or_default()).collect()
+            }
+            PromptTokenizer::Sim { .. } => ids.iter().map(|&id| sim_token(id)).collect(),
+        }
+    }
+}
+
+/// How a conversation is rendered into tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatEncoding {
+    /// End with the template's opening of the assistant's turn.
+    pub add_generation_prompt: bool,
+    /// Let the tokenizer add its special tokens too (the template usually writes BOS itself).
+    pub add_special_tokens: bool,
+}
+
+impl ChatEncoding {
+    /// What a generation renders.
+    pub const GENERATE: ChatEncoding = ChatEncoding { add_generation_prompt: true, add_special_tokens: false };
 }
 
 /// Why a prompt could not become token ids (the HTTP layer decides what a client sees).
@@ -176,6 +228,11 @@ fn encode(tokenizer: &tokenizers::Tokenizer, text: &str, add_special_tokens: boo
         .encode_fast(text, add_special_tokens)
         .map(|e| e.get_ids().to_vec())
         .map_err(|e| TokenizeError::Encode(e.to_string()))
+}
+
+/// The simulated vocabulary's spelling of a token, which [`sim_encode`] reads back as that id.
+fn sim_token(id: u32) -> String {
+    format!("t{id}")
 }
 
 fn sim_encode(text: &str, vocab_size: u32) -> Vec<u32> {
@@ -224,5 +281,14 @@ mod tests {
         let a = t.encode_text("hello world").unwrap();
         assert_eq!(a, t.encode_text("hello  world").unwrap());
         assert!(a.iter().all(|&i| i > 0 && i < 1000));
+    }
+
+    #[test]
+    fn sim_ids_decode_to_text_that_encodes_back_to_them() {
+        let t = PromptTokenizer::Sim { vocab_size: 1000 };
+        let ids = t.encode_text("hello t5 world").unwrap();
+        let text = t.decode(&ids).unwrap();
+        assert_eq!(t.encode_text(&text).unwrap(), ids);
+        assert_eq!(t.token_strs(&[5, 17]), ["t5", "t17"]);
     }
 }

@@ -157,7 +157,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 print!("{text}");
                 out.flush()?;
             }
-            Event::Finished { text, reason, usage } => {
+            Event::Finished { text, reason, usage, .. } => {
                 println!("{text}");
                 let end = Instant::now();
                 let ttft = first.map_or(0.0, |f| (f - start).as_secs_f64());

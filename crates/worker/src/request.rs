@@ -97,8 +97,9 @@ pub enum Event {
     /// One generated token and the text it released (may be empty: a partial UTF-8 character or
     /// text held back while it could still begin a stop string).
     Token { id: u32, text: String, logprobs: Option<TokenLogprobs> },
-    /// The last event of a successful stream: remaining text, why it ended, and usage.
-    Finished { text: String, reason: FinishReason, usage: Usage },
+    /// The last event of a successful stream: remaining text, why it ended (with the stop
+    /// string, when one ended it), and usage.
+    Finished { text: String, reason: FinishReason, stop_sequence: Option<String>, usage: Usage },
     /// The model failed while running this request; nothing more follows.
     Failed { message: String },
     /// Scheduling milestones before the first token, only when the request asked for them.

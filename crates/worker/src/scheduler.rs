@@ -290,10 +290,13 @@ impl Sequence {
         Ok(false)
     }
 
-    /// Send the last event: `Finished`, with the text held back if `flush`.
+    /// Send the last event: `Finished`, with the text held back if `flush`. A stop string that
+    /// matched, even in that held-back text, is why the request stopped.
     fn finish(&mut self, reason: FinishReason, flush: bool) {
         let text = if flush { self.flush() } else { String::new() };
-        let _ = self.reply.send(Event::Finished { text, reason, usage: self.usage() });
+        let stop_sequence = self.stop.matched().map(str::to_string);
+        let reason = if stop_sequence.is_some() { FinishReason::Stop } else { reason };
+        let _ = self.reply.send(Event::Finished { text, reason, stop_sequence, usage: self.usage() });
     }
 
     /// Text still held back at the end of a stream that did not end on a stop string.

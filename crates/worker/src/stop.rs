@@ -8,6 +8,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     hold: usize,
     pending: String,
+    /// The stop string that matched, once one has.
+    matched: Option<usize>,
 }
 
 /// What to do after new text arrived.
@@ -23,7 +25,7 @@ impl StopMatcher {
     pub fn new(stops: Vec<String>) -> Self {
         let stops: Vec<String> = stops.into_iter().filter(|s| !s.is_empty()).collect();
         let hold = stops.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
-        StopMatcher { stops, hold, pending: String::new() }
+        StopMatcher { stops, hold, pending: String::new(), matched: None }
     }
 
     pub fn push(&mut self, text: &str) -> StopCheck {
@@ -32,9 +34,12 @@ impl StopMatcher {
         }
         self.pending.push_str(text);
         // Earliest match wins, whichever stop string it is.
-        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        if let Some((at, i)) =
+            self.stops.iter().enumerate().filter_map(|(i, s)| Some((self.pending.find(s.as_str())?, i))).min()
+        {
             let out = self.pending[..at].to_string();
             self.pending.clear();
+            self.matched = Some(i);
             return StopCheck::Stopped(out);
         }
         let mut cut = self.pending.len().saturating_sub(self.hold);
@@ -49,6 +54,11 @@ impl StopMatcher {
     /// The held-back text, at the end of a stream that did not stop on a string.
     pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.pending)
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
     }
 }
 
@@ -81,6 +91,16 @@ mod tests {
     #[test]
     fn the_earliest_of_several_stops_wins() {
         assert_eq!(run(&["cd", "b"], &["abcd"]), ("a".into(), true));
+    }
+
+    #[test]
+    fn the_stop_string_that_ended_the_text_is_named() {
+        let mut m = StopMatcher::new(vec!["cd".into(), "".into(), "b".into()]);
+        assert_eq!(m.matched(), None);
+        assert_eq!(m.push("a"), StopCheck::Continue("".into()), "held: it could begin a stop");
+        assert_eq!(m.matched(), None, "nothing matched yet");
+        assert_eq!(m.push("bcd"), StopCheck::Stopped("a".into()));
+        assert_eq!(m.matched(), Some("b"), "the earliest match, not the first listed");
     }
 
     #[test]

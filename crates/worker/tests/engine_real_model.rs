@@ -61,7 +61,7 @@ fn collect(mut rx: EventStream) -> Outcome {
                 text += &t;
                 pieces.push(t);
             }
-            Event::Finished { text: t, reason, usage } => {
+            Event::Finished { text: t, reason, usage, .. } => {
                 return Outcome { tokens, pieces, text: text + &t, reason, usage };
             }
             Event::Failed { message } => panic!("request failed: {message}"),

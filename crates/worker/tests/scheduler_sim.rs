@@ -49,7 +49,7 @@ fn collect(mut rx: bellows_worker::engine::EventStream) -> Outcome {
                 tokens.push(id);
                 text += &t;
             }
-            Event::Finished { text: t, reason, usage } => {
+            Event::Finished { text: t, reason, usage, .. } => {
                 return Outcome { tokens, text: text + &t, reason, usage, first_token_at: first };
             }
             Event::Failed { message } => panic!("request failed: {message}"),

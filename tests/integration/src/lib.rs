@@ -667,6 +667,12 @@ impl Router {
 
 /// One parsed SSE stream: the `data:` payloads in order (`[DONE]` included as a string).
 pub async fn sse(response: reqwest::Response) -> Vec<serde_json::Value> {
+    sse_named(response).await.into_iter().map(|(_, data)| data).collect()
+}
+
+/// One parsed SSE stream: each event's name (its `event:` line, empty without one) and its
+/// `data:` payload, in order.
+pub async fn sse_named(response: reqwest::Response) -> Vec<(String, serde_json::Value)> {
     use futures_util::StreamExt;
     let mut body = response.bytes_stream();
     let mut buf = String::new();
@@ -675,9 +681,13 @@ pub async fn sse(response: reqwest::Response) -> Vec<serde_json::Value> {
         buf.push_str(std::str::from_utf8(&chunk.expect("the stream reads")).expect("SSE is UTF-8"));
         while let Some(end) = buf.find("\n\n") {
             let event: String = buf.drain(..end + 2).collect();
+            let mut name = String::new();
             for line in event.lines() {
-                if let Some(data) = line.strip_prefix("data: ") {
-                    out.push(serde_json::from_str(data).unwrap_or(serde_json::Value::String(data.to_string())));
+                if let Some(n) = line.strip_prefix("event: ") {
+                    name = n.to_string();
+                } else if let Some(data) = line.strip_prefix("data: ") {
+                    let data = serde_json::from_str(data).unwrap_or(serde_json::Value::String(data.to_string()));
+                    out.push((name.clone(), data));
                 }
             }
         }

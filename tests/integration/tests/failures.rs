@@ -36,7 +36,7 @@ async fn when_every_worker_fails_the_client_gets_a_502_not_a_hang() {
     assert_eq!(body["error"]["code"], "worker_failed");
 }
 
-/// Read SSE `data:` payloads until `pred` holds for the ones read so far.
+/// Read SSE `data:` payloads (with arrival times) until `pred` holds for the ones read so far.
 async fn read_until(
     body: &mut (impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin),
     buf: &mut String,
@@ -44,11 +44,18 @@ async fn read_until(
     pred: impl Fn(&[(Instant, Value)]) -> bool,
 ) {
     while !pred(events) {
-        let chunk = body.next().await.expect("the stream continues").expect("the stream reads");
+        let chunk = body
+            .next()
+            .await
+            .unwrap_or_else(|| {
+                panic!("the stream ended early, after {:?}", events.iter().map(|e| &e.1).collect::<Vec<_>>())
+            })
+            .expect("the stream reads");
         buf.push_str(std::str::from_utf8(&chunk).unwrap());
         while let Some(end) = buf.find("\n\n") {
             let event: String = buf.drain(..end + 2).collect();
-            if let Some(data) = event.trim().strip_prefix("data: ") {
+            // Named events (Anthropic's) put an `event:` line before the data.
+            if let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) {
                 let value = serde_json::from_str(data).unwrap_or(Value::String(data.to_string()));
                 events.push((Instant::now(), value));
             }
@@ -160,13 +167,66 @@ struct Migrated {
     router: Router,
 }
 
+/// Fault whichever of `workers` runs the one stream: its index, and when.
+async fn fault_the_serving_worker(workers: &mut [Worker; 2], fault: Fault) -> (usize, Instant) {
+    let mut serving = None;
+    for (i, w) in workers.iter().enumerate() {
+        if w.load().await.running_requests == 1 {
+            serving = Some(i);
+        }
+    }
+    let serving = serving.expect("one worker runs the stream");
+    let faulted = Instant::now();
+    match fault {
+        Fault::Kill => workers[serving].kill(),
+        Fault::Freeze => workers[serving].signal(libc::SIGSTOP),
+    }
+    (serving, faulted)
+}
+
+/// Two simulated workers slow enough (20 ms a step: a 60-token answer takes over a second) to
+/// fault one mid-stream, and a router over both.
+async fn slow_pair() -> ([Worker; 2], Router) {
+    let config = r#"{"base_us": 20000}"#;
+    let workers = [Worker::start(&sim(config)).await, Worker::start(&sim(config)).await];
+    let router = Router::with_workers(&[&workers[0], &workers[1]], &[] as &[&str]).await;
+    (workers, router)
+}
+
+#[tokio::test]
+async fn an_anthropic_message_stream_survives_the_sigkill_of_its_worker_and_continues_exactly() {
+    let (mut workers, router) = slow_pair().await;
+    let request = json!({
+        "model": "sim", "max_tokens": 60, "temperature": 0,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+    });
+    let (status, _, reference) = router.post("/v1/messages", &request).await;
+    assert_eq!(status, 200, "{reference}");
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let response = reqwest::Client::new().post(router.url("/v1/messages")).json(&streamed).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let (mut buf, mut events) = (String::new(), Vec::new());
+    read_until(&mut body, &mut buf, &mut events, |e| e.len() >= 8).await;
+    fault_the_serving_worker(&mut workers, Fault::Kill).await;
+    read_until(&mut body, &mut buf, &mut events, |e| e.last().is_some_and(|l| l.1["type"] == "message_stop")).await;
+
+    let events: Vec<Value> = events.into_iter().map(|e| e.1).collect();
+    assert!(events.iter().all(|e| e["type"] != "error"), "{events:?}");
+    let text: String = events.iter().filter_map(|e| e["delta"]["text"].as_str()).collect();
+    assert_eq!(text, reference["content"][0]["text"].as_str().unwrap(), "no token lost or repeated");
+    let delta = events.iter().find(|e| e["type"] == "message_delta").expect("message_delta");
+    assert_eq!(delta["usage"]["output_tokens"], reference["usage"]["output_tokens"]);
+    assert_eq!(delta["delta"]["stop_reason"], reference["stop_reason"]);
+    assert_eq!(router.metric("bellows_router_migrations_total").await, 1.0);
+}
+
 /// Run `request` undisturbed, then streamed while its worker fails mid-way: the client must see
 /// one stream with exactly the undisturbed text.
 async fn migrate_mid_stream(request: serde_json::Value, fault: Fault) -> Migrated {
-    // 20 ms per step: a 60-token completion takes over a second, time enough to kill its worker.
-    let config = r#"{"base_us": 20000}"#;
-    let mut workers = [Worker::start(&sim(config)).await, Worker::start(&sim(config)).await];
-    let router = Router::with_workers(&[&workers[0], &workers[1]], &[] as &[&str]).await;
+    let (mut workers, router) = slow_pair().await;
 
     // What an undisturbed run produces (the simulated model is deterministic).
     let (status, _, reference) = router.post("/v1/completions", &request).await;
@@ -183,19 +243,7 @@ async fn migrate_mid_stream(request: serde_json::Value, fault: Fault) -> Migrate
     let (mut buf, mut events) = (String::new(), Vec::new());
     read_until(&mut body, &mut buf, &mut events, |e| e.len() >= 5).await;
 
-    // Kill whichever worker is running it.
-    let mut serving = None;
-    for (i, w) in workers.iter().enumerate() {
-        if w.load().await.running_requests == 1 {
-            serving = Some(i);
-        }
-    }
-    let serving = serving.expect("one worker runs the stream");
-    let faulted = Instant::now();
-    match fault {
-        Fault::Kill => workers[serving].kill(),
-        Fault::Freeze => workers[serving].signal(libc::SIGSTOP),
-    }
+    let (serving, faulted) = fault_the_serving_worker(&mut workers, fault).await;
 
     read_until(&mut body, &mut buf, &mut events, |e| e.last().is_some_and(|l| l.1 == "[DONE]")).await;
     let after: Vec<Instant> = events.iter().map(|e| e.0).filter(|&t| t > faulted).collect();

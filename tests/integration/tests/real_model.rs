@@ -1,5 +1,6 @@
 //! The router in front of a worker running the real default model (SmolLM2-135M): tokenization
-//! at the router matches llama.cpp's, and the official OpenAI Python client works unchanged.
+//! at the router matches llama.cpp's, and the official OpenAI and Anthropic Python clients work
+//! unchanged.
 
 use std::{path::PathBuf, process::Command};
 
@@ -43,21 +44,62 @@ async fn the_router_tokenizes_text_exactly_like_llama_cpp_and_official_clients_w
 
     assert_router_tokenizes_like_llama_cpp(&router, "smollm2", &fixture(), 6).await;
 
-    let openai = std::env::var("BELLOWS_PY_OPENAI")
-        .unwrap_or_else(|_| format!("{}/.cache/bellows/py-openai", std::env::var("HOME").unwrap()));
+    official_client(&router, "openai_client.py", "BELLOWS_PY_OPENAI", "py-openai");
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize_agree_with_llama_cpp_and_with_what_a_chat_request_is_charged() {
+    let (_worker, router) = real_cluster().await;
+    for case in fixture()["cases"].as_array().unwrap().iter().filter(|c| c["has_special"] == false) {
+        let text = case["text"].as_str().unwrap();
+        for (special, ids) in [(true, &case["ids_add_special"]), (false, &case["ids"])] {
+            let body = json!({"model": "smollm2", "prompt": text, "add_special_tokens": special});
+            let (status, _, got) = router.post("/v1/tokenize", &body).await;
+            assert_eq!(status, 200, "{got}");
+            assert_eq!(&got["tokens"], ids, "{text:?}, add_special_tokens {special}");
+        }
+        let (status, _, back) =
+            router.post("/v1/detokenize", &json!({"model": "smollm2", "tokens": case["ids"]})).await;
+        assert_eq!(status, 200, "{back}");
+        assert_eq!(back["prompt"], case["detokenized"], "{text:?}");
+    }
+    let messages = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let (_, _, rendered) = router.post("/v1/tokenize", &json!({"model": "smollm2", "messages": messages})).await;
+    let (_, _, answer) =
+        router.post("/v1/chat/completions", &json!({"model": "smollm2", "messages": messages, "max_tokens": 1})).await;
+    assert_eq!(rendered["count"], answer["usage"]["prompt_tokens"], "{rendered}");
+    let body =
+        json!({"model": "smollm2", "messages": messages, "add_generation_prompt": false, "return_token_strs": true});
+    let (_, _, bare) = router.post("/v1/tokenize", &body).await;
+    let (full, bare_ids) = (rendered["tokens"].as_array().unwrap(), bare["tokens"].as_array().unwrap());
+    assert!(bare_ids.len() < full.len() && full.starts_with(bare_ids), "the assistant's opening is left off");
+    assert_eq!(bare["token_strs"].as_array().unwrap().len(), bare_ids.len());
+}
+
+#[tokio::test]
+async fn the_official_anthropic_client_works_unchanged() {
+    let (_worker, router) = real_cluster().await;
+    official_client(&router, "anthropic_client.py", "BELLOWS_PY_ANTHROPIC", "py-anthropic");
+}
+
+/// Run one of the official-client scripts in `tests/` against the router, with the client's
+/// package from `$env` or `~/.cache/bellows/<dir>` (where scripts/install-deps.sh puts it).
+fn official_client(router: &Router, script: &str, env: &str, dir: &str) {
+    let packages =
+        std::env::var(env).unwrap_or_else(|_| format!("{}/.cache/bellows/{dir}", std::env::var("HOME").unwrap()));
     // Read when the test runs: a binary built in another checkout sharing the target directory
     // must not run that checkout's script.
-    let script = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("tests/openai_client.py");
+    let path = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("tests").join(script);
     let out = Command::new("python3")
-        .arg(&script)
-        .env("PYTHONPATH", &openai)
+        .arg(&path)
+        .env("PYTHONPATH", &packages)
         .env("BASE_URL", &router.url)
         .env("MODEL", "smollm2")
         .output()
-        .expect("python3 runs (scripts/install-deps.sh installs the openai client)");
+        .expect("python3 runs (scripts/install-deps.sh installs the official clients)");
     assert!(
         out.status.success(),
-        "the openai client failed:\n{}\n{}",
+        "{script} failed:\n{}\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );

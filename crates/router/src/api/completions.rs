@@ -664,7 +664,7 @@ impl StreamState {
                 };
                 self.send_pieces(index, pieces, logprobs, &mut out);
             }
-            Some(ChoiceEvent::Done { index, finish, usage }) => {
+            Some(ChoiceEvent::Done { index, finish, usage, .. }) => {
                 self.open(index, &mut out);
                 if let Some(p) = &mut self.parsers[index as usize] {
                     let pieces = p.finish();

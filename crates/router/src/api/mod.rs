@@ -1,4 +1,5 @@
-//! The HTTP API: OpenAI's (chat and text completions, models) and Anthropic's Messages.
+//! The HTTP API: OpenAI's (chat and text completions, models), Anthropic's Messages, and vLLM's
+//! tokenize and detokenize.
 
 pub mod anthropic;
 pub mod completions;
@@ -8,6 +9,7 @@ mod reply;
 pub mod request;
 pub mod response;
 pub mod tls_listener;
+pub mod tokenize;
 pub mod tool_request;
 
 use std::sync::Arc;
@@ -57,6 +59,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/tokenize", post(tokenize::tokenize))
+        .route("/v1/detokenize", post(tokenize::detokenize))
+        // vLLM serves them without the version prefix.
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/ready", get(ready))

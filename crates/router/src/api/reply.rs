@@ -144,6 +144,7 @@ impl Reply {
                 finish: "stop",
                 logprobs: logprobs.clone(),
                 tool_calls: Vec::new(),
+                stop_sequence: None,
             })
             .collect();
         let mut usage = UsageOut::default();
@@ -163,8 +164,9 @@ impl Reply {
                         l.extend(logprobs);
                     }
                 }
-                Some(ChoiceEvent::Done { index, finish, usage: u }) => {
+                Some(ChoiceEvent::Done { index, finish, stop_sequence, usage: u }) => {
                     texts[index as usize].finish = response::finish_reason(finish);
+                    texts[index as usize].stop_sequence = stop_sequence;
                     usage.add(&u, index % self.n == 0);
                     open -= 1;
                 }

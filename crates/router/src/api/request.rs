@@ -163,7 +163,7 @@ struct RawRequest {
 }
 
 #[derive(Debug, Deserialize)]
-struct RawMessage {
+pub(super) struct RawMessage {
     role: String,
     content: Option<Value>,
     tool_calls: Option<Vec<Value>>,
@@ -282,7 +282,10 @@ fn cache_salt(salt: Option<String>) -> Result<Option<String>, ApiError> {
 }
 
 /// Extra chat-template variables: for chat only, and never one the renderer sets itself.
-fn chat_template_kwargs(input: &Input, kwargs: Option<TemplateKwargs>) -> Result<Option<TemplateKwargs>, ApiError> {
+pub(super) fn chat_template_kwargs(
+    input: &Input,
+    kwargs: Option<TemplateKwargs>,
+) -> Result<Option<TemplateKwargs>, ApiError> {
     const PARAM: &str = "chat_template_kwargs";
     let Some(kwargs) = kwargs else { return Ok(None) };
     unsupported(matches!(input, Input::Prompts(_)), PARAM, "'chat_template_kwargs' is for /v1/chat/completions")?;
@@ -579,7 +582,7 @@ fn logit_bias(raw: HashMap<String, f32>) -> Result<HashMap<u32, f32>, ApiError> 
         .collect()
 }
 
-fn chat_messages(raw: Vec<RawMessage>) -> Result<Vec<ChatMessage>, ApiError> {
+pub(super) fn chat_messages(raw: Vec<RawMessage>) -> Result<Vec<ChatMessage>, ApiError> {
     if raw.is_empty() {
         return Err(ApiError::invalid("messages", "'messages' must contain at least one message"));
     }

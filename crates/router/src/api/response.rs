@@ -169,6 +169,8 @@ pub struct ChoiceOut {
     pub logprobs: Option<Vec<pb::TokenLogprobs>>,
     /// Calls parsed out of the text (which then holds only the rest).
     pub tool_calls: Vec<ParsedCall>,
+    /// The stop string that ended the choice, when one did.
+    pub stop_sequence: Option<String>,
 }
 
 /// `finish_reason` of a choice that made calls and stopped by itself: `tool_calls`.

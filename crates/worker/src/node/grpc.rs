@@ -382,7 +382,7 @@ impl GenerateStream {
                 d.text.push_str(&text);
                 d.logprobs.extend(logprobs);
             }
-            Event::Finished { text, reason, usage } => {
+            Event::Finished { text, reason, stop_sequence, usage } => {
                 if !text.is_empty() {
                     self.delta().text.push_str(&text);
                 }
@@ -399,6 +399,7 @@ impl GenerateStream {
                         completion_tokens: usage.completion_tokens,
                         cached_prompt_tokens: usage.cached_tokens,
                     }),
+                    stop_sequence,
                 };
                 self.out.push_back(Ok(pb::GenerateResponse { kind: Some(Kind::Finished(finished)) }));
                 self.done = true;

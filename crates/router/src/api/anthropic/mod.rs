@@ -25,10 +25,10 @@ pub(super) use request::{Purpose, parse};
 pub(super) use response::{error_response, stream, whole};
 
 use super::{
-    AppState,
-    completions::{self, authorization},
+    AppState, completions,
     error::ApiError,
     request::{Endpoint, Input},
+    tokenize,
 };
 
 pub async fn messages(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -45,10 +45,9 @@ pub async fn count_tokens(State(state): State<Arc<AppState>>, headers: HeaderMap
 }
 
 async fn count(state: &Arc<AppState>, headers: &HeaderMap, body: Body) -> Result<usize, ApiError> {
-    state.tenants.authenticate(authorization(headers).as_deref()).map_err(|_| ApiError::Unauthorized)?;
-    let bytes = completions::read_body(state, headers, body).await?;
+    let (tenant, bytes) = tokenize::authenticated_body(state, headers, body).await?;
     let job = parse(&bytes, Purpose::CountTokens)?;
-    let pool = state.cluster.model(&job.model).ok_or_else(|| ApiError::ModelNotFound(job.model.clone()))?;
+    let pool = tokenize::tenant_model(state, &tenant, Some(&job.model))?;
     let Input::Chat(messages) = job.input else { unreachable!("a Messages body is a chat") };
     let tools = job.tools;
     let tokens = state

@@ -156,7 +156,10 @@ fn conversation(raw: Vec<RawMessage>) -> Result<Vec<ChatMessage>, ApiError> {
     if raw.last().is_some_and(|m| m.role == "assistant") {
         return Err(ApiError::invalid(
             format!("messages[{}]", raw.len() - 1),
-            "messages: a final assistant turn (a prefill) is not supported yet; end with a user turn",
+            format!(
+                "messages[{}]: a final assistant turn (a prefill) is not supported yet; end with a user turn",
+                raw.len() - 1
+            ),
         ));
     }
     let mut out = Vec::with_capacity(raw.len());
@@ -318,7 +321,7 @@ fn tools(raw: Option<Vec<Value>>, choice: Option<Value>) -> Result<Option<crate:
         Some(ToolChoice::Required) => Some(json!("required")),
         Some(ToolChoice::Named(_)) => named,
     };
-    tool_request::parse(Some(openai), openai_choice, Some(parallel)).map_err(anthropic_tool_param)
+    tool_request::parse(Some(openai), openai_choice, Some(parallel))
 }
 
 fn tool_choice(choice: Option<Value>) -> Result<(Option<ToolChoice>, bool), ApiError> {
@@ -340,18 +343,6 @@ fn tool_choice(choice: Option<Value>) -> Result<(Option<ToolChoice>, bool), ApiE
         }
     };
     Ok((Some(kind), parallel))
-}
-
-/// The OpenAI tool checks name OpenAI's fields: say Anthropic's.
-fn anthropic_tool_param(e: ApiError) -> ApiError {
-    match e {
-        ApiError::InvalidRequest { message, param } => {
-            let rename =
-                |s: &str| s.replace(".function.parameters", ".input_schema").replace(".function.name", ".name");
-            ApiError::InvalidRequest { message: rename(&message), param: param.map(|p| rename(&p)) }
-        }
-        other => other,
-    }
 }
 
 /// `stop_sequences`: at most [`MAX_STOP`] non-empty strings.
@@ -469,7 +460,7 @@ mod tests {
     }
 
     #[test]
-    fn tools_and_tool_choice_map_onto_the_openai_checks_and_name_anthropics_fields() {
+    fn tools_and_tool_choice_map_onto_the_openai_checks() {
         let with = |tools: Value, choice: Value| {
             let mut b = base();
             b["tools"] = tools;
@@ -485,7 +476,7 @@ mod tests {
         let missing = with(weather, json!({"type": "tool", "name": "other"})).unwrap_err();
         assert_eq!(param_of(missing).as_deref(), Some("tool_choice"));
         let bad_name = with(json!([{"name": "has space", "input_schema": {}}]), Value::Null).unwrap_err();
-        assert_eq!(param_of(bad_name).as_deref(), Some("tools[0].name"));
+        assert_eq!(param_of(bad_name).as_deref(), Some("tools[0].function.name"), "renamed by error_response");
     }
 
     #[test]

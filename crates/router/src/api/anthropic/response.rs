@@ -31,12 +31,20 @@ use crate::{
 };
 
 /// An error as Anthropic's clients read it: the status (and Retry-After) the error always has,
-/// the body in Anthropic's shape.
+/// the body in Anthropic's shape. That shape has no `param`, so the message names the field, in
+/// Anthropic's terms: the tools are checked by the OpenAI checks, which name OpenAI's fields.
 pub fn error_response(e: ApiError) -> Response {
     let kind = error_type(e.status());
     let message = match &e {
         ApiError::Unauthorized => "Incorrect or missing API key. Send it as 'x-api-key: <key>'.".to_string(),
-        other => other.body().error.message,
+        other => {
+            let body = other.body().error;
+            let message = match body.param {
+                Some(param) if !body.message.contains(param.as_str()) => format!("{param}: {}", body.message),
+                _ => body.message,
+            };
+            message.replace(".function.parameters", ".input_schema").replace(".function.name", ".name")
+        }
     };
     let (parts, _) = e.into_response().into_parts();
     let body = json!({"type": "error", "error": {"type": kind, "message": message}});
@@ -58,12 +66,15 @@ fn error_type(status: StatusCode) -> &'static str {
     }
 }
 
-/// Why generation stopped, in Anthropic's words.
-fn stop_reason(finish: &str) -> &'static str {
-    match finish {
-        "tool_calls" => "tool_use",
-        "length" => "max_tokens",
-        _ => "end_turn",
+/// Why generation stopped, in Anthropic's words: `stop_reason`, and `stop_sequence` (the
+/// matched string, none unless that is the reason). `finish` is the OpenAI finish reason with
+/// calls already folded in: calls that end the answer win over a stop string after them.
+fn stop<'a>(finish: &str, stop_sequence: Option<&'a str>) -> (&'static str, Option<&'a str>) {
+    match (finish, stop_sequence) {
+        ("tool_calls", _) => ("tool_use", None),
+        ("length", _) => ("max_tokens", None),
+        (_, Some(s)) => ("stop_sequence", Some(s)),
+        _ => ("end_turn", None),
     }
 }
 
@@ -101,14 +112,15 @@ fn message(reply: &Reply, choice: &ChoiceOut, u: &UsageOut) -> Value {
         content.push(json!({"type": "text", "text": choice.text}));
     }
     content.extend(choice.tool_calls.iter().map(tool_use_block));
+    let (reason, matched) = stop(choice.finish, choice.stop_sequence.as_deref());
     json!({
         "id": reply.id,
         "type": "message",
         "role": "assistant",
         "model": reply.model,
         "content": content,
-        "stop_reason": stop_reason(choice.finish),
-        "stop_sequence": null,
+        "stop_reason": reason,
+        "stop_sequence": matched,
         "usage": usage(u),
     })
 }
@@ -198,7 +210,7 @@ impl MessageStream {
                 };
                 self.send_pieces(pieces, &mut out);
             }
-            Some(ChoiceEvent::Done { finish, usage: u, .. }) => {
+            Some(ChoiceEvent::Done { finish, stop_sequence, usage: u, .. }) => {
                 if let Some(p) = &mut self.parser {
                     let pieces = p.finish();
                     self.send_pieces(pieces, &mut out);
@@ -207,9 +219,10 @@ impl MessageStream {
                 let finish = response::finish_with_calls(response::finish_reason(finish), self.made_calls);
                 let mut total = UsageOut::default();
                 total.add(&u, true);
-                self.reply.record(&total, &[stop_reason(finish)], None);
+                let (reason, matched) = stop(finish, stop_sequence.as_deref());
+                self.reply.record(&total, &[reason], None);
                 self.reply.finished();
-                let delta = json!({"stop_reason": stop_reason(finish), "stop_sequence": null});
+                let delta = json!({"stop_reason": reason, "stop_sequence": matched});
                 out.push(("message_delta", json!({"type": "message_delta", "delta": delta, "usage": usage(&total)})));
                 out.push(("message_stop", json!({"type": "message_stop"})));
                 self.finished = true;
@@ -300,5 +313,39 @@ impl MessageStream {
         let kind = error_type(e.status());
         out.push(("error", json!({"type": "error", "error": {"type": kind, "message": e.body().error.message}})));
         self.finished = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn body_of(e: ApiError) -> (StatusCode, Value) {
+        let r = error_response(e);
+        let status = r.status();
+        let bytes = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[tokio::test]
+    async fn an_error_names_its_field_in_anthropics_terms_in_anthropics_shape() {
+        let e = ApiError::invalid("tools[1].function.parameters", "Invalid schema for function \"f\"");
+        let (status, body) = body_of(e).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(body["error"]["message"], "tools[1].input_schema: Invalid schema for function \"f\"");
+        let (_, body) = body_of(ApiError::invalid("top_p", "top_p: must be at most 1")).await;
+        assert_eq!(body["error"]["message"], "top_p: must be at most 1", "a message that names its field is kept");
+        let (status, body) = body_of(ApiError::Unauthorized).await;
+        assert_eq!((status, &body["error"]["type"]), (StatusCode::UNAUTHORIZED, &json!("authentication_error")));
+    }
+
+    #[test]
+    fn a_stop_string_is_the_reason_only_when_nothing_else_ended_the_answer() {
+        assert_eq!(stop("stop", Some("END")), ("stop_sequence", Some("END")));
+        assert_eq!(stop("stop", None), ("end_turn", None));
+        assert_eq!(stop("tool_calls", Some("END")), ("tool_use", None));
+        assert_eq!(stop("length", None), ("max_tokens", None));
     }
 }
