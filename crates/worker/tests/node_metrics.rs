@@ -46,7 +46,7 @@ async fn metrics_count_exactly_what_the_node_did() {
         .to_string();
 
     let idle = scrape(&addr).await;
-    assert!(value(&idle, "bellows_worker_kv_blocks_total") > 0.0);
+    assert!(value(&idle, "bellows_worker_kv_blocks_capacity") > 0.0);
     for series in [
         "bellows_worker_prompt_tokens_total",
         "bellows_worker_generated_tokens_total",

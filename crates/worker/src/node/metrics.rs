@@ -209,7 +209,7 @@ fn encode_snapshot(enc: &mut DescriptorEncoder, s: &StatsSnapshot, refused: [u64
     )?;
     gauge(enc, "running_requests", "Sequences admitted: prefilling or decoding", s.running_requests)?;
     gauge(enc, "kv_blocks_used", "KV cache blocks held by running sequences", s.kv_blocks_used)?;
-    gauge(enc, "kv_blocks_total", "KV cache blocks in the pool", s.kv_blocks_total)?;
+    gauge(enc, "kv_blocks_capacity", "KV cache blocks in the pool (its capacity)", s.kv_blocks_total)?;
     counter(enc, "prompt_tokens", "Prompt tokens of admitted requests (counted at first admission)", s.prompt_tokens)?;
     counter(
         enc,
@@ -393,7 +393,7 @@ mod tests {
         let text = NodeMetrics::encode(&registry);
         for line in [
             "# TYPE bellows_worker_running_requests gauge",
-            "bellows_worker_kv_blocks_total 0",
+            "bellows_worker_kv_blocks_capacity 0",
             "bellows_worker_prefill_tokens_total 32",
             "bellows_worker_requests_total{outcome=\"refused\"} 3",
             "bellows_worker_requests_total{outcome=\"finished\"} 0",
