@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
 # Install what a fresh Debian/Ubuntu machine lacks to build and test Bellows: protoc (gRPC code
-# generation), etcd (tests start their own), the models and vocabularies (the default model, and
-# those the family, tokenizer and template tests hold to llama.cpp and Hugging Face: see
-# scripts/fetch-model.sh), and the OpenAI Python client. Idempotent: does nothing that
+# generation), etcd (tests start their own), Prometheus and promtool (tests/integration's
+# prometheus test runs its own server and lints the scrapes), the models and vocabularies (the
+# default model, and those the family, tokenizer and template tests hold to llama.cpp and Hugging
+# Face: see scripts/fetch-model.sh), and the OpenAI Python client. Idempotent: does nothing that
 # is already done.
 set -euo pipefail
 need=()
 command -v protoc >/dev/null || need+=(protobuf-compiler)
 command -v etcd >/dev/null || need+=(etcd-server)
 command -v etcdctl >/dev/null || need+=(etcd-client)
-if ((${#need[@]})); then
+# Without its recommended node exporter: the test needs only the server and promtool.
+lean=()
+{ command -v prometheus >/dev/null && command -v promtool >/dev/null; } || lean+=(prometheus)
+if ((${#need[@]} + ${#lean[@]})); then
     sudo=""; [[ $(id -u) -eq 0 ]] || sudo="sudo"
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+    if ((${#need[@]})); then
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+    if ((${#lean[@]})); then
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${lean[@]}" >/dev/null
+    fi
 fi
 "$(dirname "$0")/fetch-model.sh" --all >/dev/null
 # The official OpenAI and Anthropic Python clients, for the API conformance tests (each in its own
