@@ -41,7 +41,8 @@ enum Cmd {
     /// tests and benchmarks of a large cluster; `--engine sim` makes a thousand cheap.
     Fleet(Box<node::fleet::FleetArgs>),
     /// Write a llama-shaped GGUF of random weights (default: Llama 2 7B's shape) with a real
-    /// model's tokenizer, for benchmarks where a real file cannot travel.
+    /// model's tokenizer, for benchmarks where a real file cannot travel; `--vocab-only` writes
+    /// just a model's vocabulary, which `--like` takes in place of the whole model.
     SynthModel(synth::SynthArgs),
 }
 
@@ -106,6 +107,11 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Generate(a) => generate(a),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::SynthModel(a) if a.vocab_only => {
+            let tokens = synth::write_vocab(&a)?;
+            println!("{}: a vocabulary of {tokens} tokens, no weights", a.out.display());
+            Ok(())
+        }
         Cmd::SynthModel(a) => {
             let bytes = synth::write(&a)?;
             println!("{}: {bytes} bytes of weights", a.out.display());

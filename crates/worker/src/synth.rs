@@ -5,13 +5,20 @@
 //! no reachable registry holds can still be checked against llama.cpp on the same file.
 //!
 //! Its vocabulary, tokenizer and chat template are copied from a real GGUF (the default model),
-//! so it loads, tokenizes and serves like any model; its text is noise. Weights are Q8_0, random
+//! so it loads, tokenizes and serves like any model; its text is noise. `--vocab-only` writes just
+//! that part of a GGUF (its `tokenizer.*` metadata, no tensors: 1.8 MB of the default model's 98 MB),
+//! which `--like` takes as it takes the whole file, so a machine the weights cannot travel to still
+//! makes a model with the real vocabulary. Weights are Q8_0, random
 //! quants with one scale per matrix chosen so each output has about the variance of its input
 //! (activations neither vanish nor explode through the layers); norms are ones. Speed depends only
 //! on the shapes and the format, so its rows measure the engine as a real model of that shape
 //! would.
 
-use std::{fs::File, io::BufWriter, path::PathBuf};
+use std::{
+    fs::File,
+    io::BufWriter,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{Context, Result};
 use candle_core::{
@@ -70,8 +77,18 @@ pub struct SynthArgs {
     pub head_dim: Option<usize>,
     #[arg(long, default_value_t = 4096)]
     pub context: usize,
+    /// The rotary embedding's base (`rope.freq_base`); the default model's is 100000.
+    #[arg(long, default_value_t = 10_000.0)]
+    pub rope_base: f32,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Write no model: only the vocabulary of `--like` (its `tokenizer.*` metadata: tokens, merges,
+    /// special ids, chat template) and its architecture's name, no tensors. `--like` on that file
+    /// makes the same model as `--like` on the source.
+    #[arg(long, conflicts_with_all = [
+        "arch", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "context", "rope_base", "seed",
+    ])]
+    pub vocab_only: bool,
 }
 
 /// Bytes of one Q8_0 block: an f16 scale and 32 signed quants.
@@ -86,6 +103,7 @@ impl SynthArgs {
 
 /// Write the model `a` describes; returns its weight bytes.
 pub fn write(a: &SynthArgs) -> Result<u64> {
+    anyhow::ensure!(!a.vocab_only, "--vocab-only writes no model: call write_vocab");
     anyhow::ensure!(
         a.head_dim.is_some() || a.hidden.is_multiple_of(a.heads),
         "--hidden {} is no multiple of --heads {} (or give --head-dim)",
@@ -101,6 +119,33 @@ pub fn write(a: &SynthArgs) -> Result<u64> {
     for (name, width) in [("--hidden", a.hidden), ("--ffn", a.ffn), ("--heads x --head-dim", a.heads * a.head_dim())] {
         anyhow::ensure!(width.is_multiple_of(Q8_0_WEIGHTS), "{name} {width} is no multiple of {Q8_0_WEIGHTS}");
     }
+    let (source, vocab) = read_source(a)?;
+    let metadata = metadata(a, &source);
+    let tensors = tensors(a, vocab)?;
+    let bytes = tensors.iter().map(|(_, t)| t.storage_size_in_bytes() as u64).sum();
+    write_gguf(&a.out, &metadata, &tensors)?;
+    Ok(bytes)
+}
+
+/// `--vocab-only`: write the vocabulary of `--like` (its `tokenizer.*` metadata) with its
+/// architecture's name and no tensors; returns the number of tokens.
+pub fn write_vocab(a: &SynthArgs) -> Result<usize> {
+    let (source, vocab) = read_source(a)?;
+    let name = match source.metadata.get("general.name") {
+        Some(gguf_file::Value::String(n)) => n.clone(),
+        _ => "a model".to_string(),
+    };
+    let mut metadata = vec![("general.name".to_string(), gguf_file::Value::String(format!("vocabulary of {name}")))];
+    if let Some(arch) = source.metadata.get("general.architecture") {
+        metadata.insert(0, ("general.architecture".to_string(), arch.clone()));
+    }
+    metadata.extend(tokenizer_metadata(&source));
+    write_gguf(&a.out, &metadata, &[])?;
+    Ok(vocab)
+}
+
+/// The source GGUF's header (`--like`, else the default model) and its vocabulary size.
+fn read_source(a: &SynthArgs) -> Result<(gguf_file::Content, usize)> {
     let like = a.like.clone().unwrap_or_else(default_model_path);
     let mut file = File::open(&like).with_context(|| format!("opening {}", like.display()))?;
     let source = gguf_file::Content::read(&mut file).with_context(|| format!("reading {}", like.display()))?;
@@ -108,15 +153,16 @@ pub fn write(a: &SynthArgs) -> Result<u64> {
         Some(gguf_file::Value::Array(tokens)) => tokens.len(),
         _ => anyhow::bail!("{} has no tokenizer.ggml.tokens", like.display()),
     };
+    Ok((source, vocab))
+}
 
-    let metadata = metadata(a, &source);
-    let tensors = tensors(a, vocab)?;
-    let bytes = tensors.iter().map(|(_, t)| t.storage_size_in_bytes() as u64).sum();
-    let mut out = BufWriter::new(File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?);
+fn write_gguf(path: &Path, metadata: &[(String, gguf_file::Value)], tensors: &[(String, QTensor)]) -> Result<()> {
+    let mut out = BufWriter::new(File::create(path).with_context(|| format!("creating {}", path.display()))?);
     let metadata: Vec<(&str, &gguf_file::Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     gguf_file::write(&mut out, &metadata, &tensors)?;
-    Ok(bytes)
+    out.into_inner().map_err(|e| e.into_error()).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
 }
 
 /// The hyper-parameters of `a` under its architecture's keys, and every `tokenizer.*` entry of
@@ -137,9 +183,16 @@ fn metadata(a: &SynthArgs, source: &gguf_file::Content) -> Vec<(String, gguf_fil
         (key("attention.key_length"), u(a.head_dim())),
         (key("attention.value_length"), u(a.head_dim())),
         (key("context_length"), u(a.context)),
-        (key("rope.freq_base"), F32(10_000.0)),
+        (key("rope.freq_base"), F32(a.rope_base)),
         (key("attention.layer_norm_rms_epsilon"), F32(1e-5)),
     ];
+    m.extend(tokenizer_metadata(source));
+    m
+}
+
+/// Every `tokenizer.*` entry of `source`, sorted by key (so the same vocabulary always writes the
+/// same bytes, whichever file it came from).
+fn tokenizer_metadata(source: &gguf_file::Content) -> Vec<(String, gguf_file::Value)> {
     let mut tokenizer: Vec<_> = source
         .metadata
         .iter()
@@ -147,8 +200,7 @@ fn metadata(a: &SynthArgs, source: &gguf_file::Content) -> Vec<(String, gguf_fil
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     tokenizer.sort_by(|x, y| x.0.cmp(&y.0));
-    m.extend(tokenizer);
-    m
+    tokenizer
 }
 
 /// Every tensor of the model, named as GGUF llama files name them.
@@ -250,7 +302,9 @@ mod tests {
             kv_heads: 2,
             head_dim: None,
             context: 256,
+            rope_base: 10_000.0,
             seed: 7,
+            vocab_only: false,
         };
         let bytes = write(&a).unwrap();
         let (model, tok) = load_gguf(&a.out, &LoadOptions::default(), None).expect("the synthetic model loads");
@@ -282,5 +336,78 @@ mod tests {
             }
         }
         assert_eq!(tokens, 8);
+    }
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: SynthArgs,
+    }
+
+    fn args(argv: &[&str]) -> Result<SynthArgs, clap::Error> {
+        use clap::Parser;
+        Cli::try_parse_from(std::iter::once("synth-model").chain(argv.iter().copied())).map(|c| c.a)
+    }
+
+    fn header(path: &Path) -> gguf_file::Content {
+        gguf_file::Content::read(&mut File::open(path).unwrap()).unwrap()
+    }
+
+    /// A GGUF's metadata as text, key by key (candle's values have no `PartialEq`).
+    fn entries(c: &gguf_file::Content, keep: impl Fn(&str) -> bool) -> Vec<(String, String)> {
+        let mut e: Vec<_> =
+            c.metadata.iter().filter(|(k, _)| keep(k)).map(|(k, v)| (k.clone(), format!("{v:?}"))).collect();
+        e.sort();
+        e
+    }
+
+    #[test]
+    fn a_vocab_only_file_holds_only_the_vocabulary_and_makes_the_same_model_as_its_source() {
+        let like = default_model_path();
+        assert!(like.exists(), "model {} is missing: run scripts/fetch-model.sh", like.display());
+        let dir = tempfile::tempdir().unwrap();
+        let (like_s, vocab) = (like.to_str().unwrap(), dir.path().join("vocab.gguf"));
+        let a = args(&["--vocab-only", "--like", like_s, "--out", vocab.to_str().unwrap()]).unwrap();
+        assert!(write(&a).is_err(), "write makes models, never a vocabulary");
+        let tokens = write_vocab(&a).unwrap();
+
+        let (source, only) = (header(&like), header(&vocab));
+        assert_eq!(tokens, 49152);
+        assert!(only.tensor_infos.is_empty(), "no tensors: {:?}", only.tensor_infos.keys().take(3).collect::<Vec<_>>());
+        let tokenizer = |k: &str| k.starts_with("tokenizer.");
+        assert_eq!(entries(&only, tokenizer), entries(&source, tokenizer));
+        assert!(entries(&source, tokenizer).iter().any(|(k, _)| k == "tokenizer.chat_template"));
+        let rest: Vec<String> = entries(&only, |k| !tokenizer(k)).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(rest, ["general.architecture", "general.name"], "nothing of the model but its name");
+        let (small, big) = (std::fs::metadata(&vocab).unwrap().len(), std::fs::metadata(&like).unwrap().len());
+        assert!(small * 20 < big, "{small} bytes of vocabulary against the model's {big}");
+
+        // A model made from the vocabulary is, byte for byte, the one made from the whole source.
+        let shape = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "2", "--kv-heads", "1"];
+        let (from_vocab, from_source) = (dir.path().join("a.gguf"), dir.path().join("b.gguf"));
+        for (from, out) in [(&vocab, &from_vocab), (&like, &from_source)] {
+            let mut argv =
+                vec!["--like", from.to_str().unwrap(), "--out", out.to_str().unwrap(), "--rope-base", "100000"];
+            argv.extend(shape);
+            write(&args(&argv).unwrap()).unwrap();
+        }
+        assert!(std::fs::read(&from_vocab).unwrap() == std::fs::read(&from_source).unwrap(), "the two models differ");
+        let cfg = crate::model::llama::LlamaConfig::from_gguf(&header(&from_vocab)).unwrap();
+        assert_eq!((cfg.rope_theta, cfg.n_layer, cfg.hidden, cfg.vocab_size), (100_000.0, 2, 64, 49152));
+        let (_, tok) = load_gguf(&from_vocab, &LoadOptions::default(), None).expect("the model loads");
+        let (_, source_tok) = load_gguf(&like, &LoadOptions::default(), None).unwrap();
+        let text = "Digits 12345 and <|im_start|>user\nhi<|im_end|>";
+        assert_eq!(tok.encode(text, false).unwrap(), source_tok.encode(text, false).unwrap());
+    }
+
+    #[test]
+    fn vocab_only_refuses_the_shape_flags_it_would_ignore() {
+        for flag in [["--layers", "2"], ["--rope-base", "100000"], ["--seed", "3"]] {
+            let mut argv = vec!["--vocab-only", "--out", "v.gguf"];
+            argv.extend(flag);
+            let e = args(&argv).err().unwrap_or_else(|| panic!("{flag:?} accepted with --vocab-only"));
+            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{flag:?}: {e}");
+        }
+        assert_eq!(args(&["--out", "m.gguf"]).unwrap().rope_base, 10_000.0, "the default base is llama's");
     }
 }
