@@ -14,10 +14,18 @@
 #      CUDA_ERROR_NO_DEVICE); the real driver's libcuda.so.1 replaces it on a GPU machine;
 #   3. builds with CUDA_COMPUTE_CAP (default 90: Hopper, sm_90a) under `nice -n 19` into
 #      ${CARGO_TARGET_DIR:-~/.cache/bellows/target-cuda}, then prints the binary and its NEEDED libs;
-#   4. with --pack: also builds the worker's unit-test binary and writes what scripts/gpu-check.sh
-#      needs on a GPU machine to target-gpu/ (ignored by git): both binaries stripped and
-#      zstd-compressed in bin/, the default model in 40 MiB parts in model/.
-# Idempotent. A clean build takes ~9 minutes on 2 cores (most of it nvcc on candle-kernels).
+#   4. with --pack: also builds the worker's unit-test binary and writes the kit scripts/gpu-check.sh
+#      runs on a GPU machine, target-gpu/gpu-kit.tar.xz (ignored by git; xz, which Python's tarfile
+#      reads, since that machine may lack zstd): bin/bellows-worker and bin/worker-lib-tests
+#      (stripped), vocab.gguf (the default model's vocabulary alone, `synth-model --vocab-only`:
+#      the models are made there from it, no weights travel) and kit.json (build, commit,
+#      sha256s); then scripts/check-carry-size.sh holds kit + tree to the 64 MiB a device call
+#      carries.
+#   --pack --cpu: the same kit from a CPU build (no wheels, no CUDA: steps 1-3 skipped), built as
+#      scripts/test.sh builds (--workspace, into ${CARGO_TARGET_DIR:-~/.cache/bellows/target}), so
+#      after test.sh's own build it compiles nothing new; scripts/rehearse-gpu-check.sh runs
+#      gpu-check on it here.
+# Idempotent. A clean CUDA build takes ~9 minutes on 2 cores (most of it nvcc on candle-kernels).
 #
 # To run the result:   LD_LIBRARY_PATH=$BELLOWS_CUDA_DIR/home/lib  (cudart, cublas, curand, nvrtc)
 #   plus the NVIDIA driver's libcuda.so.1 (driver >= 580 for CUDA 13.0 PTX). On a machine without a
@@ -25,8 +33,71 @@
 #   device and the worker stays on the CPU); never put lib/stubs on the path on a GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pack=false
-[[ "${1:-}" == "--pack" ]] && pack=true
+pack=false cpu=false
+for arg in "$@"; do
+    case "$arg" in
+    --pack) pack=true ;;
+    --cpu) cpu=true ;;
+    *)
+        echo "usage: $0 [--pack [--cpu]]" >&2
+        exit 2
+        ;;
+    esac
+done
+if $cpu && ! $pack; then
+    echo "--cpu makes a CPU kit: give --pack too (a CPU build alone is plain cargo build)" >&2
+    exit 2
+fi
+PY="${PYTHON:-python3}"
+log() { printf '[build-cuda] %s\n' "$*" >&2; }
+
+# Step 4, from binaries already built: $1 the worker, $2 its unit-test binary, $3 the build's name,
+# $4 the LD_LIBRARY_PATH that lets the worker start here, $5 xz's level (9 for what travels: its
+# 64 MiB window spans both binaries, which share most of their code; 0 for a CPU kit, which is
+# only unpacked here, in seconds).
+make_kit() {
+    local worker=$1 tests=$2 build=$3 libs=$4 level=$5 out=target-gpu source
+    source="$(scripts/fetch-model.sh)"
+    stage="$(mktemp -d)"
+    trap 'rm -rf "$stage"' EXIT
+    mkdir -p "$stage/bin" "$out"
+    strip -o "$stage/bin/bellows-worker" "$worker"
+    strip -o "$stage/bin/worker-lib-tests" "$tests"
+    LD_LIBRARY_PATH="$libs" "$stage/bin/bellows-worker" synth-model --vocab-only --like "$source" \
+        --out "$stage/vocab.gguf" >&2
+    "$PY" - "$stage" "$build" "$(git rev-parse HEAD)$(git diff --quiet HEAD || echo -dirty)" "$source" <<'EOF'
+import hashlib, json, os, sys
+stage, build, commit, source = sys.argv[1:]
+files = ["bin/bellows-worker", "bin/worker-lib-tests", "vocab.gguf"]
+sha = {f: hashlib.sha256(open(os.path.join(stage, f), "rb").read()).hexdigest() for f in files}
+json.dump({"build": build, "commit": commit, "vocab_of": os.path.basename(source), "sha256": sha},
+          open(os.path.join(stage, "kit.json"), "w"), indent=1)
+EOF
+    tar -C "$stage" --owner=0 --group=0 --numeric-owner -cf - kit.json vocab.gguf bin \
+        | nice -n 19 xz -T0 "-$level" >"$out/gpu-kit.tar.xz.tmp"
+    mv "$out/gpu-kit.tar.xz.tmp" "$out/gpu-kit.tar.xz"
+    log "packed for scripts/gpu-check.sh ($build build): $out/gpu-kit.tar.xz, of"
+    (cd "$stage" && du -b kit.json vocab.gguf bin/*) | awk '{printf "[build-cuda]   %7.2f MiB  %s\n", $1 / 1048576, $2}' >&2
+    scripts/check-carry-size.sh "$out/gpu-kit.tar.xz"
+}
+
+# The executable of bellows-worker's library unit tests, from cargo's JSON messages on stdin.
+lib_tests() {
+    "$PY" -c 'import json, sys
+for m in map(json.loads, sys.stdin):
+    if (m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]
+            and m["target"]["name"] == "bellows_worker" and "lib" in m["target"]["kind"]):
+        print(m["executable"])'
+}
+
+if $cpu; then
+    export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target}"
+    nice -n 19 cargo build --release --workspace --bins
+    tests="$(nice -n 19 cargo test --release --workspace --lib --no-run --message-format=json | lib_tests)"
+    [[ -n "$tests" ]] || { log "no unit-test binary was built"; exit 1; }
+    make_kit "$CARGO_TARGET_DIR/release/bellows-worker" "$tests" cpu "" 0
+    exit 0
+fi
 
 CUDA_DIR="${BELLOWS_CUDA_DIR:-$HOME/.cache/bellows/cuda}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/bellows/target-cuda}"
@@ -37,8 +108,6 @@ WHEELS=(
     nvidia-cuda-cccl==13.0.85 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
     nvidia-curand==10.4.0.35 nvidia-cublas==13.0.2.14
 )
-PY="${PYTHON:-python3}"
-log() { printf '[build-cuda] %s\n' "$*" >&2; }
 
 # 1. Wheels. The stamp records the exact list, so changing a version reinstalls.
 wheels_dir="$CUDA_DIR/wheels"
@@ -115,21 +184,11 @@ readelf -d "$bin" | awk '/NEEDED/ {print "  " $NF}' | tr -d '[]'
 echo "ldd (LD_LIBRARY_PATH=$home/lib:$home/lib/stubs):"
 LD_LIBRARY_PATH="$home/lib:$home/lib/stubs" ldd "$bin" | sed 's/^\s*/  /'
 
+
 # 4. The GPU machine's kit.
 if $pack; then
-    out=target-gpu
-    rm -rf "$out" && mkdir -p "$out/bin" "$out/model"
     tests="$(nice -n 19 cargo test --release -p bellows-worker --features cuda --lib --no-run --message-format=json \
-        | "$PY" -c 'import json, sys
-for m in map(json.loads, sys.stdin):
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        print(m["executable"])')"
+        | lib_tests)"
     [[ -n "$tests" ]] || { log "no unit-test binary was built"; exit 1; }
-    for pair in "$bin:bellows-worker" "$tests:worker-lib-tests"; do
-        strip -o "$out/bin/${pair##*:}" "${pair%%:*}"
-        zstd -q -19 -T0 --rm -f "$out/bin/${pair##*:}"
-    done
-    split -b 40M "$(scripts/fetch-model.sh)" "$out/model/part-"
-    log "packed for scripts/gpu-check.sh:"
-    du -h "$out"/bin/* "$out"/model/* >&2
+    make_kit "$bin" "$tests" "cuda sm_$CUDA_COMPUTE_CAP" "$home/lib:$home/lib/stubs" 9
 fi
