@@ -154,8 +154,10 @@ print(":".join(sorted(dirs)))
 EOF
 )"
 export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# The driver's cache of PTX compiled for this GPU: filled by the warm-up, read by every later step.
-export CUDA_CACHE_PATH="${CUDA_CACHE_PATH:-$run/cuda-cache}" CUDA_CACHE_MAXSIZE="${CUDA_CACHE_MAXSIZE:-4294967296}"
+# The driver's cache of PTX compiled for this GPU: filled by the warm-up, read by every later step
+# (and kept beside the kit, so a rerun on the same machine compiles nothing).
+export CUDA_CACHE_PATH="${CUDA_CACHE_PATH:-$(cd "$pack" && pwd)/cuda-cache}"
+export CUDA_CACHE_MAXSIZE="${CUDA_CACHE_MAXSIZE:-4294967296}"
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,memory.free --format=csv,noheader >"$out/gpu.txt" 2>&1 \
         || log "nvidia-smi failed: $(cat "$out/gpu.txt")"
