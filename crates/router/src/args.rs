@@ -39,6 +39,13 @@ pub struct RouterArgs {
     /// Largest request body accepted; larger ones get 413.
     #[arg(long, env = "BELLOWS_MAX_BODY_BYTES", default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// How long a stored response (`/v1/responses` with `store: true`) can be read or continued
+    /// (30 days, as OpenAI keeps them).
+    #[arg(long, env = "BELLOWS_RESPONSES_TTL", default_value = "720h", value_parser = parse_duration)]
+    pub responses_ttl: Duration,
+    /// Bytes of stored responses this router keeps in memory; the oldest go first.
+    #[arg(long, env = "BELLOWS_RESPONSES_MAX_BYTES", default_value_t = 256 << 20)]
+    pub responses_max_bytes: usize,
     /// Threads that serve HTTP and talk to workers, each with its own share of the connections
     /// and its own stream to each worker [default: the number of CPUs]. Connections fill the
     /// threads in order (the next thread takes them once one is half busy), so a light load

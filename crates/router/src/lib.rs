@@ -95,6 +95,7 @@ pub fn start(args: &RouterArgs, port: u16, shards: Arc<Shards>) -> anyhow::Resul
         usage,
         fair_queue,
         refusal_log: Default::default(),
+        responses: Arc::new(api::responses::store::MemoryStore::new(args.responses_ttl, args.responses_max_bytes)),
     }))
 }
 

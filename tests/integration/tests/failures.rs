@@ -193,34 +193,62 @@ async fn slow_pair() -> ([Worker; 2], Router) {
     (workers, router)
 }
 
-#[tokio::test]
-async fn an_anthropic_message_stream_survives_the_sigkill_of_its_worker_and_continues_exactly() {
+/// Run `request` at `path` whole, then streamed while its worker is SIGKILLed mid-way: the
+/// events up to the one `is_end` names, and the whole answer.
+async fn kill_mid_named_stream(path: &str, request: Value, is_end: fn(&Value) -> bool) -> (Vec<Value>, Value, Router) {
     let (mut workers, router) = slow_pair().await;
-    let request = json!({
-        "model": "sim", "max_tokens": 60, "temperature": 0,
-        "messages": [{"role": "user", "content": "Tell me a story."}],
-    });
-    let (status, _, reference) = router.post("/v1/messages", &request).await;
+    let (status, _, reference) = router.post(path, &request).await;
     assert_eq!(status, 200, "{reference}");
-
     let mut streamed = request.clone();
     streamed["stream"] = json!(true);
-    let response = reqwest::Client::new().post(router.url("/v1/messages")).json(&streamed).send().await.unwrap();
+    let response = reqwest::Client::new().post(router.url(path)).json(&streamed).send().await.unwrap();
     assert_eq!(response.status(), 200);
     let mut body = response.bytes_stream();
     let (mut buf, mut events) = (String::new(), Vec::new());
     read_until(&mut body, &mut buf, &mut events, |e| e.len() >= 8).await;
     fault_the_serving_worker(&mut workers, Fault::Kill).await;
-    read_until(&mut body, &mut buf, &mut events, |e| e.last().is_some_and(|l| l.1["type"] == "message_stop")).await;
-
+    read_until(&mut body, &mut buf, &mut events, |e| e.last().is_some_and(|l| is_end(&l.1))).await;
     let events: Vec<Value> = events.into_iter().map(|e| e.1).collect();
     assert!(events.iter().all(|e| e["type"] != "error"), "{events:?}");
+    assert_eq!(router.metric("bellows_router_migrations_total").await, 1.0);
+    (events, reference, router)
+}
+
+#[tokio::test]
+async fn an_anthropic_message_stream_survives_the_sigkill_of_its_worker_and_continues_exactly() {
+    let request = json!({
+        "model": "sim", "max_tokens": 60, "temperature": 0,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+    });
+    let (events, reference, _router) =
+        kill_mid_named_stream("/v1/messages", request, |e| e["type"] == "message_stop").await;
     let text: String = events.iter().filter_map(|e| e["delta"]["text"].as_str()).collect();
     assert_eq!(text, reference["content"][0]["text"].as_str().unwrap(), "no token lost or repeated");
     let delta = events.iter().find(|e| e["type"] == "message_delta").expect("message_delta");
     assert_eq!(delta["usage"]["output_tokens"], reference["usage"]["output_tokens"]);
     assert_eq!(delta["delta"]["stop_reason"], reference["stop_reason"]);
-    assert_eq!(router.metric("bellows_router_migrations_total").await, 1.0);
+}
+
+#[tokio::test]
+async fn a_responses_stream_survives_the_sigkill_of_its_worker_and_continues_exactly() {
+    let request = json!({"model": "sim", "max_output_tokens": 60, "temperature": 0, "input": "Tell me a story."});
+    let (events, reference, router) =
+        kill_mid_named_stream("/v1/responses", request, |e| e["type"] == "response.incomplete").await;
+    let text: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .filter_map(|e| e["delta"].as_str())
+        .collect();
+    let whole = reference["output"][0]["content"][0]["text"].as_str().unwrap();
+    assert_eq!(text, whole, "no token lost or repeated");
+    let last = &events.last().unwrap()["response"];
+    assert_eq!(last["usage"]["output_tokens"], reference["usage"]["output_tokens"]);
+    let numbers: Vec<u64> = events.iter().map(|e| e["sequence_number"].as_u64().unwrap()).collect();
+    assert!(numbers.iter().enumerate().all(|(i, &n)| n == i as u64), "one numbered stream across the move");
+    // The stream's response was stored whole: what a continuation will read.
+    let (status, stored) = router.get(&format!("/v1/responses/{}", last["id"].as_str().unwrap())).await;
+    assert_eq!(status, 200);
+    assert_eq!(stored["output"][0]["content"][0]["text"], whole);
 }
 
 /// Run `request` undisturbed, then streamed while its worker fails mid-way: the client must see

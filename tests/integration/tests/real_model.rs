@@ -77,6 +77,12 @@ async fn tokenize_and_detokenize_agree_with_llama_cpp_and_with_what_a_chat_reque
 }
 
 #[tokio::test]
+async fn the_official_openai_clients_responses_api_works_unchanged() {
+    let (_worker, router) = real_cluster().await;
+    official_client(&router, "openai_responses.py", "BELLOWS_PY_OPENAI", "py-openai");
+}
+
+#[tokio::test]
 async fn the_official_anthropic_client_works_unchanged() {
     let (_worker, router) = real_cluster().await;
     official_client(&router, "anthropic_client.py", "BELLOWS_PY_ANTHROPIC", "py-anthropic");

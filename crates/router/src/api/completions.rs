@@ -1,6 +1,6 @@
 //! `POST /v1/chat/completions` and `POST /v1/completions`, and the pipeline every generating
-//! endpoint runs (Anthropic's `/v1/messages` too: it parses and renders its own way, in
-//! `api::anthropic`).
+//! endpoint runs (OpenAI's `/v1/responses` and Anthropic's `/v1/messages` too: they parse and
+//! render their own way, in `api::responses` and `api::anthropic`).
 //!
 //! The order of the steps is the point: admission first (a refusal costs nothing, not even
 //! reading the body), then the body's size, its validation, the model, tokenization off the
@@ -38,7 +38,7 @@ use super::{
     reply::{Accounting, Reply, Timing},
     request::{self, Endpoint, Input, Job, Prompt},
     response::{self, Header, UsageOut},
-    tool_request,
+    responses, tool_request,
 };
 use crate::{
     admission::Ticket,
@@ -63,6 +63,7 @@ pub(super) async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &H
     let (name, route, operation) = match endpoint {
         Endpoint::ChatCompletions => ("POST /v1/chat/completions", "/v1/chat/completions", "chat"),
         Endpoint::Completions => ("POST /v1/completions", "/v1/completions", "text_completion"),
+        Endpoint::Responses => ("POST /v1/responses", "/v1/responses", "chat"),
         Endpoint::Messages => ("POST /v1/messages", "/v1/messages", "chat"),
     };
     let span = tracing::info_span!(
@@ -101,6 +102,7 @@ pub(super) async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &H
             }
             match endpoint {
                 Endpoint::Messages => anthropic::error_response(e),
+                Endpoint::Responses => responses::error_response(e),
                 Endpoint::ChatCompletions | Endpoint::Completions => e.into_response(),
             }
         }
@@ -158,9 +160,13 @@ async fn complete(
     who.tenant = Some(tenant.clone());
     let ticket = admit_at_cap(state, tenant.most_urgent())?;
     let bytes = read_body(state, headers, body).await?;
-    let mut job = match endpoint {
-        Endpoint::Messages => anthropic::parse(&bytes, anthropic::Purpose::Generate)?,
-        Endpoint::ChatCompletions | Endpoint::Completions => request::parse(endpoint, &bytes)?,
+    let (mut job, turn) = match endpoint {
+        Endpoint::Messages => (anthropic::parse(&bytes, anthropic::Purpose::Generate)?, None),
+        Endpoint::Responses => {
+            let (job, turn) = responses::parse(state, &tenant, &bytes).await?;
+            (job, Some(turn))
+        }
+        Endpoint::ChatCompletions | Endpoint::Completions => (request::parse(endpoint, &bytes)?, None),
     };
     let class = tenant.class(job.priority)?;
     span.record("bellows.priority", class.as_str());
@@ -210,7 +216,7 @@ async fn complete(
         latencies: state.metrics.latencies(&pool.name),
         accounting,
     };
-    answer(state, &pool, choices, reply, &job).await
+    answer(state, &pool, choices, reply, turn, &job).await
 }
 
 /// The job's prompts as tokens and block hashes: on the tokenizer pool when there is text or
@@ -332,6 +338,7 @@ async fn answer(
     pool: &Arc<ModelPool>,
     choices: Vec<Choice>,
     reply: Reply,
+    turn: Option<responses::Turn>,
     job: &Job,
 ) -> Result<Response, ApiError> {
     let (tx, rx) = mpsc::channel(64);
@@ -340,9 +347,10 @@ async fn answer(
             state.dispatcher.spawn(pool.clone(), choice, tx.clone());
         }
         drop(tx);
-        return match reply.endpoint {
-            Endpoint::Messages => anthropic::stream(reply, rx).await,
-            Endpoint::ChatCompletions | Endpoint::Completions => reply.stream(rx, job.include_usage).await,
+        return match (reply.endpoint, turn) {
+            (Endpoint::Messages, _) => anthropic::stream(reply, rx).await,
+            (Endpoint::Responses, Some(turn)) => responses::stream(reply, turn, rx).await,
+            _ => reply.stream(rx, job.include_usage).await,
         };
     }
     let work =
@@ -351,9 +359,10 @@ async fn answer(
     // The reply ends once every choice is done (or one failed): dropping its receiver then
     // stops the rest.
     let whole = async move {
-        match reply.endpoint {
-            Endpoint::Messages => anthropic::whole(reply, rx).await,
-            Endpoint::ChatCompletions | Endpoint::Completions => reply.whole(rx).await,
+        match (reply.endpoint, turn) {
+            (Endpoint::Messages, _) => anthropic::whole(reply, rx).await,
+            (Endpoint::Responses, Some(turn)) => responses::whole(reply, turn, rx).await,
+            _ => reply.whole(rx).await,
         }
     };
     let (_, answer) = tokio::join!(work, whole);
@@ -538,6 +547,7 @@ fn new_id(endpoint: Endpoint) -> String {
     match endpoint {
         Endpoint::ChatCompletions => format!("chatcmpl-{random:024x}"),
         Endpoint::Completions => format!("cmpl-{random:024x}"),
+        Endpoint::Responses => format!("resp_{random:024x}"),
         Endpoint::Messages => format!("msg_{random:024x}"),
     }
 }
@@ -554,8 +564,8 @@ pub(super) fn authorization(headers: &HeaderMap) -> Option<String> {
 impl Reply {
     fn header(&self, chunk: bool) -> Header<'_> {
         let object = match (self.endpoint, chunk) {
-            (Endpoint::ChatCompletions | Endpoint::Messages, true) => "chat.completion.chunk",
-            (Endpoint::ChatCompletions | Endpoint::Messages, false) => "chat.completion",
+            (Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses, true) => "chat.completion.chunk",
+            (Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses, false) => "chat.completion",
             (Endpoint::Completions, _) => "text_completion",
         };
         Header {

@@ -84,6 +84,13 @@ pub enum ApiError {
     /// No such route (404).
     #[error("no route")]
     UnknownRoute { method: String, path: String },
+    /// No stored response with this id for this tenant: unknown, expired, deleted or another
+    /// tenant's, which look the same (404). `param` names the field that gave the id, if one did.
+    #[error("response {id:?} not found")]
+    ResponseNotFound { id: String, param: Option<&'static str> },
+    /// The response store could not be read (503).
+    #[error("response store unavailable: {0}")]
+    StoreUnavailable(String),
     /// Body over `--max-body-bytes` (413).
     #[error("body too large")]
     BodyTooLarge { limit: usize },
@@ -138,7 +145,10 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::InvalidRequest { .. } | ApiError::ContextLengthExceeded { .. } => StatusCode::BAD_REQUEST,
-            ApiError::ModelNotFound(_) | ApiError::UnknownRoute { .. } => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound(_) | ApiError::UnknownRoute { .. } | ApiError::ResponseNotFound { .. } => {
+                StatusCode::NOT_FOUND
+            }
+            ApiError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::WorkerFailed(_) => StatusCode::BAD_GATEWAY,
@@ -203,6 +213,18 @@ impl ApiError {
             ApiError::UnknownRoute { method, path } => {
                 (format!("Unknown request URL: {method} {path}."), "invalid_request_error", None, Some("unknown_url"))
             }
+            ApiError::ResponseNotFound { id, param } => (
+                format!("Response with id '{id}' not found."),
+                "invalid_request_error",
+                param.map(str::to_string),
+                Some("response_not_found"),
+            ),
+            ApiError::StoreUnavailable(detail) => (
+                format!("The response store is unavailable: {detail}"),
+                "server_error",
+                None,
+                Some("store_unavailable"),
+            ),
             ApiError::BodyTooLarge { limit } => (
                 format!("The request body is larger than the limit of {limit} bytes."),
                 "invalid_request_error",

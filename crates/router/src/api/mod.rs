@@ -1,5 +1,5 @@
-//! The HTTP API: OpenAI's (chat and text completions, models), Anthropic's Messages, and vLLM's
-//! tokenize and detokenize.
+//! The HTTP API: OpenAI's (chat and text completions, responses, models), Anthropic's Messages,
+//! and vLLM's tokenize and detokenize.
 
 pub mod anthropic;
 pub mod completions;
@@ -8,6 +8,7 @@ pub mod refusal_log;
 mod reply;
 pub mod request;
 pub mod response;
+pub mod responses;
 pub mod tls_listener;
 pub mod tokenize;
 pub mod tool_request;
@@ -51,12 +52,17 @@ pub struct AppState {
     /// Fair sharing at the global cap (with a tenants file); `None`: refuse at the cap at once.
     pub fair_queue: Option<Arc<FairQueue>>,
     pub refusal_log: refusal_log::RefusalLog,
+    /// Stored Responses (`store: true`), for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub responses: Arc<dyn responses::store::ResponseStore>,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
+        .route("/v1/responses/{id}/input_items", get(responses::input_items))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/tokenize", post(tokenize::tokenize))

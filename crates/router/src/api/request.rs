@@ -24,12 +24,14 @@ use crate::{
     tools::Tools,
 };
 
-/// Which endpoint a body came to: OpenAI's chat and text completions, or Anthropic's Messages
-/// (`api::anthropic`), which the router runs as a chat.
+/// Which endpoint a body came to: OpenAI's chat and text completions, OpenAI's Responses
+/// (`api::responses`) or Anthropic's Messages (`api::anthropic`), both of which the router runs
+/// as a chat.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     ChatCompletions,
     Completions,
+    Responses,
     Messages,
 }
 
@@ -38,6 +40,7 @@ impl Endpoint {
         match self {
             Endpoint::ChatCompletions => "chat_completions",
             Endpoint::Completions => "completions",
+            Endpoint::Responses => "responses",
             Endpoint::Messages => "messages",
         }
     }
@@ -110,6 +113,7 @@ impl Job {
     pub fn prompt_param(&self) -> &'static str {
         match self.endpoint {
             Endpoint::ChatCompletions | Endpoint::Messages => "messages",
+            Endpoint::Responses => "input",
             Endpoint::Completions => "prompt",
         }
     }
@@ -297,7 +301,7 @@ pub(super) fn chat_template_kwargs(
 
 /// The class a request names: OpenAI's `service_tier` or vLLM's `priority` (both, only if
 /// they agree).
-fn priority(service_tier: Option<&str>, vllm: Option<i64>) -> Result<Option<Priority>, ApiError> {
+pub(super) fn priority(service_tier: Option<&str>, vllm: Option<i64>) -> Result<Option<Priority>, ApiError> {
     let tier = service_tier
         .map(Priority::from_service_tier)
         .transpose()
@@ -317,7 +321,7 @@ fn priority(service_tier: Option<&str>, vllm: Option<i64>) -> Result<Option<Prio
 /// The endpoint's own input: `messages` for chat, `prompt` for completions.
 fn input(endpoint: Endpoint, messages: Option<Vec<RawMessage>>, prompt: Option<Value>) -> Result<Input, ApiError> {
     Ok(match endpoint {
-        Endpoint::ChatCompletions | Endpoint::Messages => {
+        Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses => {
             let messages = messages.ok_or_else(|| ApiError::invalid("messages", "'messages' is required"))?;
             Input::Chat(chat_messages(messages)?)
         }
@@ -431,7 +435,7 @@ fn top_logprobs(endpoint: Endpoint, logprobs: Option<Value>, top: Option<i64>) -
         }
     };
     match endpoint {
-        Endpoint::ChatCompletions | Endpoint::Messages => {
+        Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses => {
             let on = match logprobs {
                 None | Some(Value::Null) | Some(Value::Bool(false)) => false,
                 Some(Value::Bool(true)) => true,
@@ -511,7 +515,7 @@ fn choice_constraint(choices: &[String]) -> Result<Constraint, ApiError> {
 
 /// OpenAI's `response_format`: `text` (no constraint), `json_object`, or `json_schema` with
 /// `{name, schema, strict, description}` (an absent schema allows any JSON value).
-fn response_format_constraint(f: Value, bounds: JsonBounds) -> Result<Option<Constraint>, ApiError> {
+pub(super) fn response_format_constraint(f: Value, bounds: JsonBounds) -> Result<Option<Constraint>, ApiError> {
     let bad = |m: &str| ApiError::invalid("response_format", m.to_string());
     let Value::Object(f) = f else { return Err(bad("'response_format' must be an object")) };
     match f.get("type").and_then(Value::as_str) {

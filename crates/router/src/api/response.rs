@@ -98,7 +98,7 @@ pub fn chunk(
     finish: Option<&'static str>,
 ) -> String {
     let json = match endpoint {
-        Endpoint::ChatCompletions | Endpoint::Messages => {
+        Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses => {
             let delta = ChatDelta { role: role.then_some("assistant"), content: text, tool_calls: None };
             let choice = ChatChunkChoice { index, delta, logprobs, finish_reason: finish };
             serde_json::to_string(&Chunk { header, choices: [choice], usage: None })
@@ -132,7 +132,7 @@ pub fn usage_chunk(header: &Header<'_>, usage: UsageOut) -> String {
 pub fn logprobs(endpoint: Endpoint, entries: &[pb::TokenLogprobs], offset: &mut u32) -> Value {
     let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
     match endpoint {
-        Endpoint::ChatCompletions | Endpoint::Messages => {
+        Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses => {
             let content: Vec<Value> = entries
                 .iter()
                 .map(|e| {
@@ -199,7 +199,7 @@ struct Message<'a> {
 pub fn completion(endpoint: Endpoint, header: &Header<'_>, choices: &[ChoiceOut], usage: UsageOut) -> String {
     let lp = |c: &ChoiceOut| c.logprobs.as_ref().map(|e| logprobs(endpoint, e, &mut 0));
     let json = match endpoint {
-        Endpoint::ChatCompletions | Endpoint::Messages => {
+        Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses => {
             let choices: Vec<_> = choices
                 .iter()
                 .enumerate()

@@ -1,0 +1,349 @@
+//! What a Responses request gets back: the `response` object whole, or the semantic event
+//! stream the SDK's `responses.stream()` accumulates (`response.created`, then per output item
+//! `response.output_item.added`, its parts and deltas, `response.output_item.done`, then
+//! `response.completed` with the whole output and usage), each event with its `sequence_number`.
+//! Items are numbered in output order and parts within their item, as the SDK indexes them.
+//!
+//! A stored response is written once its output is complete, before the client is told it is
+//! (`response.completed`, or the whole answer): a continuation sent right after finds it.
+
+use std::{
+    convert::Infallible,
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use axum::{
+    Json,
+    http::StatusCode,
+    response::{
+        IntoResponse, Response,
+        sse::{Event, KeepAlive, Sse},
+    },
+};
+use futures_util::{Stream, StreamExt, stream};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::{Turn, new_item_id, store::Stored};
+use crate::{
+    api::{
+        error::ApiError,
+        reply::{Reply, Timing},
+        response::{self, ChoiceOut, UsageOut},
+    },
+    dispatch::ChoiceEvent,
+    tools::{ParsedCall, Piece, ToolCallParser},
+};
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn usage(u: &UsageOut) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+/// The response object in a given state: `output` and `usage` once known.
+fn object(reply: &Reply, turn: &Turn, status: &str, output: &[Value], u: Option<&UsageOut>) -> Value {
+    let mut o = json!({
+        "id": reply.id,
+        "object": "response",
+        "created_at": turn.created_at,
+        "status": status,
+        "model": reply.model,
+        "output": output,
+        "error": null,
+        "incomplete_details": if status == "incomplete" { json!({"reason": "max_output_tokens"}) } else { Value::Null },
+        "usage": u.map(usage),
+        "service_tier": reply.priority.service_tier(),
+    });
+    let map = o.as_object_mut().expect("an object");
+    map.extend(turn.echo.clone());
+    if status == "completed" || status == "incomplete" {
+        map.insert("completed_at".into(), json!(now()));
+    }
+    o
+}
+
+fn message_item(id: &str, text: &str, status: &str) -> Value {
+    let content = if status == "in_progress" { json!([]) } else { json!([text_part(text)]) };
+    json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
+}
+
+fn text_part(text: &str) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+fn call_item(id: &str, call_id: &str, call: &ParsedCall, status: &str) -> Value {
+    let arguments = if status == "in_progress" { "" } else { call.arguments.as_str() };
+    json!({"type": "function_call", "id": id, "call_id": call_id, "name": call.name, "arguments": arguments, "status": status})
+}
+
+/// Whether the answer ended by its length.
+fn status_of(finish: &str) -> &'static str {
+    if finish == "length" { "incomplete" } else { "completed" }
+}
+
+/// Store the finished response, if the request asked: a failed write is logged, never the
+/// request's failure (the answer is whole without the store).
+async fn store(reply: &Reply, turn: &Turn, response: &Value) {
+    let Some(store) = turn.store.as_ref() else { return };
+    let output = response["output"].as_array().cloned().unwrap_or_default();
+    let mut context = turn.context.clone();
+    context.extend(output);
+    let stored = Stored { response: response.clone(), input_items: turn.input_items.clone(), context };
+    if let Err(e) = store.put(&turn.tenant, &reply.id, stored).await {
+        let _in_span = reply.span.enter();
+        tracing::warn!(error = %e, "the response was not stored");
+    }
+}
+
+/// The whole answer as one `response` object.
+pub async fn whole(mut reply: Reply, turn: Turn, rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
+    let (choices, u) = reply.collect(rx).await?;
+    let choice = choices.first().expect("a Responses request has one choice");
+    let output = output_items(choice);
+    let response = object(&reply, &turn, status_of(choice.finish), &output, Some(&u));
+    store(&reply, &turn, &response).await;
+    Ok(Json(response).into_response())
+}
+
+fn output_items(choice: &ChoiceOut) -> Vec<Value> {
+    let mut output = Vec::new();
+    if !choice.text.is_empty() || choice.tool_calls.is_empty() {
+        output.push(message_item(&new_item_id("msg"), &choice.text, "completed"));
+    }
+    for call in &choice.tool_calls {
+        output.push(call_item(&new_item_id("fc"), &new_item_id("call"), call, "completed"));
+    }
+    output
+}
+
+/// Stream the answer as the Responses events. As for chat, the HTTP status waits for the first
+/// event: a request that fails before any output gets its error status, not a 200.
+pub async fn stream(mut reply: Reply, turn: Turn, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
+    let mut timing = Timing { streamed: true, ..Timing::default() };
+    let first = loop {
+        match rx.recv().await {
+            Some(ChoiceEvent::Failed { error, .. }) => return Err(error.into()),
+            Some(event @ ChoiceEvent::Started { .. }) => reply.observe(&event, &mut timing),
+            Some(event) => break event,
+            None => return Err(ApiError::WorkerFailed("the request produced nothing".into())),
+        }
+    };
+    let parser = reply.tool_parsing.map(|(family, parallel)| ToolCallParser::new(family, parallel));
+    let state = ResponseStream {
+        reply,
+        turn,
+        rx,
+        timing,
+        pending: Some(first),
+        parser,
+        output: Vec::new(),
+        text: None,
+        sequence: 0,
+        announced: false,
+        finished: false,
+    };
+    Ok((StatusCode::OK, Sse::new(events(state)).keep_alive(KeepAlive::default())).into_response())
+}
+
+struct ResponseStream {
+    reply: Reply,
+    turn: Turn,
+    rx: mpsc::Receiver<ChoiceEvent>,
+    timing: Timing,
+    pending: Option<ChoiceEvent>,
+    parser: Option<ToolCallParser>,
+    /// The finished output items so far.
+    output: Vec<Value>,
+    /// The message item open now: its id and its text so far.
+    text: Option<(String, String)>,
+    /// The next event's `sequence_number`.
+    sequence: u64,
+    announced: bool,
+    finished: bool,
+}
+
+/// What one step produced: events to send, and the finished response to store before the
+/// last of them (`response.completed`) goes out.
+struct Step {
+    events: Vec<Value>,
+    finished: Option<Value>,
+}
+
+fn events(state: ResponseStream) -> impl Stream<Item = Result<Event, Infallible>> {
+    stream::unfold(state, |mut s| async move {
+        if s.finished {
+            return None;
+        }
+        let event = match s.pending.take() {
+            Some(e) => Some(e),
+            None => s.rx.recv().await,
+        };
+        let step = s.step(event);
+        if let Some(response) = &step.finished {
+            store(&s.reply, &s.turn, response).await;
+        }
+        Some((step.events, s))
+    })
+    .flat_map(|batch| {
+        stream::iter(batch.into_iter().map(|data| {
+            let name = data["type"].as_str().unwrap_or_default().to_string();
+            Ok(Event::default().event(name).data(data.to_string()))
+        }))
+    })
+}
+
+impl ResponseStream {
+    /// An event of `type` with the next sequence number.
+    fn event(&mut self, kind: &str, mut data: Value) -> Value {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        data
+    }
+
+    fn step(&mut self, event: Option<ChoiceEvent>) -> Step {
+        let mut out = Vec::with_capacity(4);
+        let mut finished = None;
+        if !self.announced {
+            self.announced = true;
+            let created = object(&self.reply, &self.turn, "in_progress", &[], None);
+            let e = self.event("response.created", json!({"response": created}));
+            out.push(e);
+            let e = self.event("response.in_progress", json!({"response": created}));
+            out.push(e);
+        }
+        if let Some(e) = &event {
+            self.reply.observe(e, &mut self.timing);
+        }
+        match event {
+            Some(ChoiceEvent::Started { .. }) => {}
+            Some(ChoiceEvent::Text { text, .. }) => {
+                let pieces = match &mut self.parser {
+                    Some(p) => p.push(&text),
+                    None => vec![Piece::Content(text)],
+                };
+                self.send_pieces(pieces, &mut out);
+            }
+            Some(ChoiceEvent::Done { finish, usage: u, .. }) => {
+                if let Some(p) = &mut self.parser {
+                    let pieces = p.finish();
+                    self.send_pieces(pieces, &mut out);
+                }
+                let made_calls = self.output.iter().any(|i| i["type"] == "function_call");
+                if self.output.is_empty() {
+                    self.open_text(&mut out);
+                }
+                self.close_text(&mut out);
+                let finish = response::finish_with_calls(response::finish_reason(finish), made_calls);
+                let mut total = UsageOut::default();
+                total.add(&u, true);
+                self.reply.record(&total, &[finish], None);
+                self.reply.finished();
+                let response = object(&self.reply, &self.turn, status_of(finish), &self.output, Some(&total));
+                let kind = if status_of(finish) == "incomplete" { "response.incomplete" } else { "response.completed" };
+                let e = self.event(kind, json!({"response": response}));
+                out.push(e);
+                finished = Some(response);
+                self.finished = true;
+            }
+            Some(ChoiceEvent::Failed { error, .. }) => self.fail(ApiError::from(error), &mut out),
+            None => self.fail(ApiError::WorkerFailed("the stream ended without finishing".into()), &mut out),
+        }
+        Step { events: out, finished }
+    }
+
+    /// Text goes into the open message item (opened as needed); a call closes it and is a
+    /// `function_call` item of its own, its arguments in one delta.
+    fn send_pieces(&mut self, pieces: Vec<Piece>, out: &mut Vec<Value>) {
+        for piece in pieces {
+            match piece {
+                Piece::Content(text) if text.is_empty() => {}
+                Piece::Content(text) => {
+                    let index = self.open_text(out);
+                    let (id, so_far) = self.text.as_mut().expect("an open message");
+                    so_far.push_str(&text);
+                    let id = id.clone();
+                    let delta = json!({"output_index": index, "item_id": id, "content_index": 0, "delta": text, "logprobs": []});
+                    let e = self.event("response.output_text.delta", delta);
+                    out.push(e);
+                }
+                Piece::Call(call) => {
+                    self.close_text(out);
+                    let index = self.output.len();
+                    let (id, call_id) = (new_item_id("fc"), new_item_id("call"));
+                    let added = json!({"output_index": index, "item": call_item(&id, &call_id, &call, "in_progress")});
+                    let e = self.event("response.output_item.added", added);
+                    out.push(e);
+                    let delta = json!({"output_index": index, "item_id": id, "delta": call.arguments});
+                    let e = self.event("response.function_call_arguments.delta", delta);
+                    out.push(e);
+                    let done =
+                        json!({"output_index": index, "item_id": id, "name": call.name, "arguments": call.arguments});
+                    let e = self.event("response.function_call_arguments.done", done);
+                    out.push(e);
+                    let item = call_item(&id, &call_id, &call, "completed");
+                    let e = self.event("response.output_item.done", json!({"output_index": index, "item": item}));
+                    out.push(e);
+                    self.output.push(item);
+                }
+            }
+        }
+    }
+
+    /// The open message item's output index, opening one (its item and its text part) if none is.
+    fn open_text(&mut self, out: &mut Vec<Value>) -> usize {
+        let index = self.output.len();
+        if self.text.is_some() {
+            return index;
+        }
+        let id = new_item_id("msg");
+        let e = self.event(
+            "response.output_item.added",
+            json!({"output_index": index, "item": message_item(&id, "", "in_progress")}),
+        );
+        out.push(e);
+        let part = json!({"output_index": index, "item_id": id, "content_index": 0, "part": text_part("")});
+        let e = self.event("response.content_part.added", part);
+        out.push(e);
+        self.text = Some((id, String::new()));
+        index
+    }
+
+    fn close_text(&mut self, out: &mut Vec<Value>) {
+        let Some((id, text)) = self.text.take() else { return };
+        let index = self.output.len();
+        let done = json!({"output_index": index, "item_id": id, "content_index": 0, "text": text, "logprobs": []});
+        let e = self.event("response.output_text.done", done);
+        out.push(e);
+        let part = json!({"output_index": index, "item_id": id, "content_index": 0, "part": text_part(&text)});
+        let e = self.event("response.content_part.done", part);
+        out.push(e);
+        let item = message_item(&id, &text, "completed");
+        let e = self.event("response.output_item.done", json!({"output_index": index, "item": item}));
+        out.push(e);
+        self.output.push(item);
+    }
+
+    /// A failure after the 200: an `error` event, then `response.failed` with the error.
+    fn fail(&mut self, e: ApiError, out: &mut Vec<Value>) {
+        self.reply.span.record("otel.status_code", "ERROR");
+        let body = e.body().error;
+        let code = body.code.unwrap_or_else(|| "server_error".into());
+        let e = self.event("error", json!({"code": code, "message": body.message, "param": body.param}));
+        out.push(e);
+        let mut failed = object(&self.reply, &self.turn, "failed", &self.output, None);
+        failed["error"] = json!({"code": "server_error", "message": body.message});
+        let e = self.event("response.failed", json!({"response": failed}));
+        out.push(e);
+        self.finished = true;
+    }
+}
