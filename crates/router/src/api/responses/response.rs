@@ -174,8 +174,28 @@ struct ResponseStream {
 /// What one step produced: events to send, and the finished response to store before the
 /// last of them (`response.completed`) goes out.
 struct Step {
-    events: Vec<Value>,
+    events: Vec<Sent>,
     finished: Option<Value>,
+}
+
+/// One event ready for the wire: its name and its data's JSON text.
+struct Sent {
+    name: &'static str,
+    data: String,
+}
+
+/// `response.output_text.delta`, the per-token event: a struct, serialized straight to text
+/// (no intermediate JSON tree on the hot path).
+#[derive(serde::Serialize)]
+struct TextDelta<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    sequence_number: u64,
+    output_index: usize,
+    item_id: &'a str,
+    content_index: u32,
+    delta: &'a str,
+    logprobs: [(); 0],
 }
 
 fn events(state: ResponseStream) -> impl Stream<Item = Result<Event, Infallible>> {
@@ -193,21 +213,16 @@ fn events(state: ResponseStream) -> impl Stream<Item = Result<Event, Infallible>
         }
         Some((step.events, s))
     })
-    .flat_map(|batch| {
-        stream::iter(batch.into_iter().map(|data| {
-            let name = data["type"].as_str().unwrap_or_default().to_string();
-            Ok(Event::default().event(name).data(data.to_string()))
-        }))
-    })
+    .flat_map(|batch| stream::iter(batch.into_iter().map(|e| Ok(Event::default().event(e.name).data(e.data)))))
 }
 
 impl ResponseStream {
     /// An event of `type` with the next sequence number.
-    fn event(&mut self, kind: &str, mut data: Value) -> Value {
+    fn event(&mut self, kind: &'static str, mut data: Value) -> Sent {
         data["type"] = json!(kind);
         data["sequence_number"] = json!(self.sequence);
         self.sequence += 1;
-        data
+        Sent { name: kind, data: data.to_string() }
     }
 
     fn step(&mut self, event: Option<ChoiceEvent>) -> Step {
@@ -215,11 +230,13 @@ impl ResponseStream {
         let mut finished = None;
         if !self.announced {
             self.announced = true;
-            let created = object(&self.reply, &self.turn, "in_progress", &[], None);
-            let e = self.event("response.created", json!({"response": created}));
-            out.push(e);
-            let e = self.event("response.in_progress", json!({"response": created}));
-            out.push(e);
+            // One response object, serialized once, for both events that carry it.
+            let created = object(&self.reply, &self.turn, "in_progress", &[], None).to_string();
+            for kind in ["response.created", "response.in_progress"] {
+                let data = format!(r#"{{"type":"{kind}","sequence_number":{},"response":{created}}}"#, self.sequence);
+                self.sequence += 1;
+                out.push(Sent { name: kind, data });
+            }
         }
         if let Some(e) = &event {
             self.reply.observe(e, &mut self.timing);
@@ -263,7 +280,7 @@ impl ResponseStream {
 
     /// Text goes into the open message item (opened as needed); a call closes it and is a
     /// `function_call` item of its own, its arguments in one delta.
-    fn send_pieces(&mut self, pieces: Vec<Piece>, out: &mut Vec<Value>) {
+    fn send_pieces(&mut self, pieces: Vec<Piece>, out: &mut Vec<Sent>) {
         for piece in pieces {
             match piece {
                 Piece::Content(text) if text.is_empty() => {}
@@ -271,10 +288,19 @@ impl ResponseStream {
                     let index = self.open_text(out);
                     let (id, so_far) = self.text.as_mut().expect("an open message");
                     so_far.push_str(&text);
-                    let id = id.clone();
-                    let delta = json!({"output_index": index, "item_id": id, "content_index": 0, "delta": text, "logprobs": []});
-                    let e = self.event("response.output_text.delta", delta);
-                    out.push(e);
+                    let kind = "response.output_text.delta";
+                    let delta = TextDelta {
+                        kind,
+                        sequence_number: self.sequence,
+                        output_index: index,
+                        item_id: id,
+                        content_index: 0,
+                        delta: &text,
+                        logprobs: [],
+                    };
+                    let data = serde_json::to_string(&delta).expect("a delta serializes");
+                    self.sequence += 1;
+                    out.push(Sent { name: kind, data });
                 }
                 Piece::Call(call) => {
                     self.close_text(out);
@@ -300,7 +326,7 @@ impl ResponseStream {
     }
 
     /// The open message item's output index, opening one (its item and its text part) if none is.
-    fn open_text(&mut self, out: &mut Vec<Value>) -> usize {
+    fn open_text(&mut self, out: &mut Vec<Sent>) -> usize {
         let index = self.output.len();
         if self.text.is_some() {
             return index;
@@ -318,7 +344,7 @@ impl ResponseStream {
         index
     }
 
-    fn close_text(&mut self, out: &mut Vec<Value>) {
+    fn close_text(&mut self, out: &mut Vec<Sent>) {
         let Some((id, text)) = self.text.take() else { return };
         let index = self.output.len();
         let done = json!({"output_index": index, "item_id": id, "content_index": 0, "text": text, "logprobs": []});
@@ -334,7 +360,7 @@ impl ResponseStream {
     }
 
     /// A failure after the 200: an `error` event, then `response.failed` with the error.
-    fn fail(&mut self, e: ApiError, out: &mut Vec<Value>) {
+    fn fail(&mut self, e: ApiError, out: &mut Vec<Sent>) {
         self.reply.span.record("otel.status_code", "ERROR");
         let body = e.body().error;
         let code = body.code.unwrap_or_else(|| "server_error".into());
