@@ -588,14 +588,7 @@ impl Reply {
     /// with an error inside.
     async fn stream(mut self, mut rx: mpsc::Receiver<ChoiceEvent>, include_usage: bool) -> Result<Response, ApiError> {
         let mut timing = Timing { streamed: true, ..Timing::default() };
-        let first = loop {
-            match rx.recv().await {
-                Some(ChoiceEvent::Failed { error, .. }) => return Err(error.into()),
-                Some(event @ ChoiceEvent::Started { .. }) => self.observe(&event, &mut timing),
-                Some(event) => break event,
-                None => return Err(ApiError::WorkerFailed("no choice produced anything".into())),
-            }
-        };
+        let first = self.first_output(&mut rx, &mut timing).await?;
         let parsers = (0..self.choices)
             .map(|_| self.tool_parsing.map(|(family, parallel)| ToolCallParser::new(family, parallel)))
             .collect();

@@ -106,6 +106,24 @@ impl Reply {
         }
     }
 
+    /// Wait for a stream's first output, observing the acceptances before it: the HTTP status
+    /// waits for it, so a request that fails before any output gets its error status, not a
+    /// 200 with an error inside.
+    pub(super) async fn first_output(
+        &mut self,
+        rx: &mut mpsc::Receiver<ChoiceEvent>,
+        timing: &mut Timing,
+    ) -> Result<ChoiceEvent, ApiError> {
+        loop {
+            match rx.recv().await {
+                Some(ChoiceEvent::Failed { error, .. }) => return Err(error.into()),
+                Some(event @ ChoiceEvent::Started { .. }) => self.observe(&event, timing),
+                Some(event) => return Ok(event),
+                None => return Err(ApiError::WorkerFailed("the request produced nothing".into())),
+            }
+        }
+    }
+
     pub(super) fn finished(&self) {
         let took = self.arrived.elapsed();
         self.latencies.request_duration.observe(took.as_secs_f64());

@@ -129,14 +129,7 @@ fn message(reply: &Reply, choice: &ChoiceOut, u: &UsageOut) -> Value {
 /// event: a request that fails before any output gets its error status, not a 200.
 pub async fn stream(mut reply: Reply, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
     let mut timing = Timing { streamed: true, ..Timing::default() };
-    let first = loop {
-        match rx.recv().await {
-            Some(ChoiceEvent::Failed { error, .. }) => return Err(error.into()),
-            Some(event @ ChoiceEvent::Started { .. }) => reply.observe(&event, &mut timing),
-            Some(event) => break event,
-            None => return Err(ApiError::WorkerFailed("the request produced nothing".into())),
-        }
-    };
+    let first = reply.first_output(&mut rx, &mut timing).await?;
     let parser = reply.tool_parsing.map(|(family, parallel)| ToolCallParser::new(family, parallel));
     let state = MessageStream {
         reply,
