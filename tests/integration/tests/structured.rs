@@ -21,8 +21,14 @@ fn chat(max_tokens: u32, extra: Value) -> Value {
     body
 }
 
-fn schema_format(schema: &Value) -> Value {
+/// A `strict` json_schema format.
+fn strict(schema: Value) -> Value {
     json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": true}})
+}
+
+/// Not `strict`: the generated schemas leave properties optional, which strict refuses.
+fn schema_format(schema: &Value) -> Value {
+    json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
 }
 
 #[tokio::test]
@@ -149,6 +155,22 @@ async fn a_bad_constraint_is_a_400_naming_its_field_and_pointer_before_any_worke
         (json!({"guided_choice": []}), "guided_choice", None),
         (json!({"guided_choice": "yes"}), "guided_choice", None),
         (json!({"guided_choice": ["yes"], "guided_regex": "a"}), "guided_choice", None),
+        // strict: true means what it means at OpenAI: every object closed, every property required.
+        (
+            json!({"response_format": strict(json!({"type": "object", "properties": {"a": {}}}))}),
+            "response_format",
+            None,
+        ),
+        (
+            json!({"response_format": strict(json!({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a"], "additionalProperties": false}))}),
+            "response_format",
+            Some("\"b\""),
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "strict": true, "parameters": {"type": "object", "properties": {"x": {"type": "object"}}, "required": ["x"], "additionalProperties": false}}}]}),
+            "tools[0].function.parameters",
+            Some("/properties/x"),
+        ),
     ];
     for (extra, param, pointer) in cases {
         let (status, _, body) = router.post("/v1/chat/completions", &chat(extra.clone())).await;

@@ -9,6 +9,7 @@ mod reply;
 pub mod request;
 pub mod response;
 pub mod responses;
+pub mod strict_schema;
 pub mod tls_listener;
 pub mod tokenize;
 pub mod tool_request;

@@ -18,7 +18,7 @@ use bellows_proto::worker::v1 as pb;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{error::ApiError, tool_request};
+use super::{error::ApiError, strict_schema, tool_request};
 use crate::{
     dispatch::{GenerationParams, Structured},
     tools::Tools,
@@ -538,6 +538,12 @@ pub(super) fn response_format_constraint(f: Value, bounds: JsonBounds) -> Result
             }
             if js.get("strict").is_some_and(|s| !s.is_boolean() && !s.is_null()) {
                 return Err(bad("'response_format.json_schema.strict' must be a boolean"));
+            }
+            if js.get("strict") == Some(&Value::Bool(true))
+                && let Some(schema) = js.get("schema")
+                && let Err(e) = strict_schema::check(schema)
+            {
+                return Err(bad(&format!("'response_format.json_schema.schema' is marked strict, but {e}")));
             }
             match js.get("schema") {
                 None | Some(Value::Null) => {

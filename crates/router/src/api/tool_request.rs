@@ -78,6 +78,11 @@ fn spec(i: usize, t: &Value) -> Result<ToolSpec, ApiError> {
             return Err(ApiError::invalid(at(".function.parameters"), "'parameters' must be a JSON Schema object"));
         }
     };
+    if f.get("strict") == Some(&Value::Bool(true))
+        && let Err(e) = super::strict_schema::check(&parameters)
+    {
+        return Err(ApiError::invalid(at(".function.parameters"), format!("the function is marked strict, but {e}")));
+    }
     Ok(ToolSpec { name, description, parameters })
 }
 

@@ -306,6 +306,9 @@ fn tools(raw: Option<Vec<Value>>, choice: Option<Value>) -> Result<Option<crate:
             if let Some(s) = t.get("input_schema") {
                 function["parameters"] = s.clone();
             }
+            if let Some(strict) = t.get("strict") {
+                function["strict"] = strict.clone();
+            }
             json!({"type": "function", "function": function})
         })
         .collect();
