@@ -14,8 +14,8 @@ pub enum Family {
     /// Hermes / Qwen2.5 / Qwen3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
     /// one block per call. Also Bellows' own tool prompt for templates without tool support.
     Hermes,
-    /// Llama 3.x: an optional `<|python_tag|>`, then `{"name": ..., "parameters": {...}}`
-    /// objects separated by `;`, as the whole answer.
+    /// Llama 3.x: `{"name": ..., "parameters": {...}}` objects separated by `;`, as the whole
+    /// answer (from its first character), or after a `<|python_tag|>`.
     Llama3Json,
     /// Mistral: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`.
     Mistral,
@@ -58,6 +58,11 @@ pub struct ToolCallParser {
     /// Calls after the first are dropped (`parallel_tool_calls: false`).
     parallel: bool,
     calls: usize,
+    /// Llama 3: the answer's first character has been seen (a bare call can only begin there).
+    started: bool,
+    /// Llama 3: the calls began as bare JSON, with no marker: a body that is not calls was an
+    /// answer that happens to be JSON, and is content.
+    bare: bool,
 }
 
 const HERMES_OPEN: &str = "<tool_call>";
@@ -67,7 +72,7 @@ const PYTHON_TAG: &str = "<|python_tag|>";
 
 impl ToolCallParser {
     pub fn new(family: Family, parallel: bool) -> Self {
-        ToolCallParser { family, buf: String::new(), in_calls: false, parallel, calls: 0 }
+        ToolCallParser { family, buf: String::new(), in_calls: false, parallel, calls: 0, started: false, bare: false }
     }
 
     /// Feed the next text of the stream; returns what is now known.
@@ -77,7 +82,7 @@ impl ToolCallParser {
         match self.family {
             Family::Hermes => self.hermes(&mut out),
             Family::Mistral => self.leading_marker(&[MISTRAL_OPEN], &mut out),
-            Family::Llama3Json => self.leading_marker(&[PYTHON_TAG, "{\"name\""], &mut out),
+            Family::Llama3Json => self.llama3(&mut out),
         }
         out
     }
@@ -97,7 +102,14 @@ impl ToolCallParser {
         let calls = match self.family {
             Family::Hermes => Vec::new(), // unterminated: truncated output
             Family::Mistral => parse_array(&rest),
-            Family::Llama3Json => rest.split(';').filter_map(|c| parse_call(c, "parameters")).collect(),
+            Family::Llama3Json => match llama3_calls(&rest) {
+                Some(calls) => calls,
+                None if self.bare => {
+                    content(&mut out, rest.trim());
+                    return out;
+                }
+                None => Vec::new(),
+            },
         };
         for c in calls {
             self.emit_call(c, &mut out);
@@ -131,6 +143,26 @@ impl ToolCallParser {
                 return;
             }
         }
+    }
+
+    /// Llama 3: an answer that opens with `{` may be calls (held whole, parsed at the end);
+    /// otherwise only a `<|python_tag|>` begins them.
+    fn llama3(&mut self, out: &mut Vec<Piece>) {
+        if self.in_calls {
+            return;
+        }
+        if !self.started {
+            let t = self.buf.trim_start();
+            if t.is_empty() || (t.len() < PYTHON_TAG.len() && PYTHON_TAG.starts_with(t)) {
+                return;
+            }
+            if t.starts_with('{') {
+                (self.in_calls, self.bare) = (true, true);
+                return;
+            }
+            self.started = true;
+        }
+        self.leading_marker(&[PYTHON_TAG], out);
     }
 
     /// Families whose calls take the rest of the answer once a marker begins it.
@@ -187,6 +219,25 @@ fn call_of(v: &Value, args_key: &str) -> Option<ParsedCall> {
         Some(_) => return None,
     };
     Some(ParsedCall { name, arguments })
+}
+
+/// Llama 3's calls: JSON objects separated by `;` (a `;` inside a string is the string's), every
+/// one a call; `None` if any is not.
+fn llama3_calls(body: &str) -> Option<Vec<ParsedCall>> {
+    let mut rest = body.trim_start();
+    let mut calls = Vec::new();
+    while !rest.is_empty() {
+        let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        let v = values.next()?.ok()?;
+        calls.push(call_of(&v, "parameters")?);
+        rest = rest[values.byte_offset()..].trim_start();
+        if let Some(after) = rest.strip_prefix(';') {
+            rest = after.trim_start();
+        } else if !rest.is_empty() {
+            return None;
+        }
+    }
+    (!calls.is_empty()).then_some(calls)
 }
 
 fn parse_array(body: &str) -> Vec<ParsedCall> {
@@ -270,6 +321,31 @@ mod tests {
             run(Family::Mistral, true, &["[TOOL_", "CALLS][{\"name\": \"a\", \"arguments\": {\"q\": \"x\"}}]"]);
         assert_eq!((content.as_str(), calls), ("", vec![call("a", r#"{"q":"x"}"#)]));
         assert_eq!(run(Family::Mistral, true, &["just text [TOOL"]).0, "just text [TOOL");
+    }
+
+    #[test]
+    fn llama3_calls_split_on_semicolons_between_objects_only() {
+        let text = r#"{"name": "a", "parameters": {"q": "x; y}"}}; { "name": "b", "parameters": {} }"#;
+        for size in [1, 3, 7, text.len()] {
+            let chunks: Vec<String> =
+                text.chars().collect::<Vec<_>>().chunks(size).map(|c| c.iter().collect()).collect();
+            let refs: Vec<&str> = chunks.iter().map(String::as_str).collect();
+            let (content, calls) = run(Family::Llama3Json, true, &refs);
+            assert_eq!(content, "", "chunks of {size}");
+            assert_eq!(calls, vec![call("a", r#"{"q":"x; y}"}"#), call("b", "{}")], "chunks of {size}");
+        }
+    }
+
+    #[test]
+    fn llama3_text_that_only_looks_like_a_call_stays_content() {
+        let mid = r#"The call would be {"name": "a", "parameters": {}} if I made one."#;
+        assert_eq!(run(Family::Llama3Json, true, &[mid]), (mid.to_string(), vec![]), "a call begins the answer");
+        let json_answer = r#"{"answer": 42}"#;
+        assert_eq!(run(Family::Llama3Json, true, &[json_answer]), (json_answer.to_string(), vec![]));
+        let broken = r#"{"name": "a", "parameters": {}}; and some words"#;
+        assert_eq!(run(Family::Llama3Json, true, &[broken]).0, broken, "not calls after all: shown, not dropped");
+        let tagged = "<|python_tag|>not json";
+        assert_eq!(run(Family::Llama3Json, true, &[tagged]), (String::new(), vec![]), "a marked body is never content");
     }
 
     #[test]
