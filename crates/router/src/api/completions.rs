@@ -46,7 +46,7 @@ use crate::{
     dispatch::{Choice, ChoiceEvent, Structured},
     metrics::{ReasonLabels, RequestLabels},
     tenants::{QueueRejection, Tenant},
-    tools::{Family, Piece, ToolCallParser, Tools},
+    tools::{CallParsing, Family, Piece, ToolCallParser, Tools},
 };
 
 pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -183,13 +183,13 @@ async fn complete(
     }
     let pool = state.cluster.model(&job.model).ok_or_else(|| ApiError::ModelNotFound(job.model.clone()))?;
     who.model = Some(pool.name.clone());
-    // With active tools: the calls' family and `parallel_tool_calls`.
+    // With active tools: how to read the calls out of the answer.
     let tool_parsing = job
         .tools
         .as_ref()
         .filter(|t| t.active())
-        .map(|t| (Family::of_template(pool.tokenizer.template().map(ChatTemplate::source)), t.parallel));
-    check_constraints(state, tool_parsing.map(|(family, _)| family), &mut job).await?;
+        .map(|t| CallParsing::of(Family::of_template(pool.tokenizer.template().map(ChatTemplate::source)), t));
+    check_constraints(state, tool_parsing.as_ref().map(|p| p.family), &mut job).await?;
     let cache_salt = tenant.prefix_salt(job.cache_salt.as_deref());
     let tokenized = tokenize_job(state, &pool, &mut job, &cache_salt).await?;
     check_against_model(&pool, &job, &tokenized)?;
@@ -589,9 +589,7 @@ impl Reply {
     async fn stream(mut self, mut rx: mpsc::Receiver<ChoiceEvent>, include_usage: bool) -> Result<Response, ApiError> {
         let mut timing = Timing { streamed: true, ..Timing::default() };
         let first = self.first_output(&mut rx, &mut timing).await?;
-        let parsers = (0..self.choices)
-            .map(|_| self.tool_parsing.map(|(family, parallel)| ToolCallParser::new(family, parallel)))
-            .collect();
+        let parsers = (0..self.choices).map(|_| self.tool_parsing.as_ref().map(CallParsing::parser)).collect();
         let state = StreamState {
             parsers,
             calls: vec![0; self.choices],

@@ -19,7 +19,7 @@ use crate::{
     dispatch::ChoiceEvent,
     metrics::Latencies,
     tenants::{Admission as LimitAdmission, ModelUsage, Turn},
-    tools::{self, Family},
+    tools::CallParsing,
 };
 
 /// The answer being assembled from the choices' events.
@@ -37,7 +37,7 @@ pub(super) struct Reply {
     /// The client asked for logprobs.
     pub(super) logprobs: bool,
     /// Read tool calls out of each choice's text: the model family and `parallel_tool_calls`.
-    pub(super) tool_parsing: Option<(Family, bool)>,
+    pub(super) tool_parsing: Option<CallParsing>,
     /// The request's span: it ends when the reply does (for a stream, when the stream does).
     pub(super) span: Span,
     pub(super) trace_text: bool,
@@ -192,9 +192,9 @@ impl Reply {
                 None => return Err(ApiError::WorkerFailed("a choice ended without an answer".into())),
             }
         }
-        if let Some((family, parallel)) = self.tool_parsing {
+        if let Some(parsing) = &self.tool_parsing {
             for c in &mut texts {
-                let (text, calls) = tools::split_calls(family, parallel, &c.text);
+                let (text, calls) = parsing.split(&c.text);
                 (c.text, c.tool_calls) = (text, calls);
                 c.finish = response::finish_with_calls(c.finish, !c.tool_calls.is_empty());
             }

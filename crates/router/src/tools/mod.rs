@@ -38,19 +38,40 @@ pub fn call_json(call: &ParsedCall, index: Option<usize>) -> Value {
     v
 }
 
-/// A whole answer's text split into its content and its calls.
-pub fn split_calls(family: Family, parallel: bool, text: &str) -> (String, Vec<ParsedCall>) {
-    let mut parser = ToolCallParser::new(family, parallel);
-    let mut pieces = parser.push(text);
-    pieces.extend(parser.finish());
-    let (mut content, mut calls) = (String::new(), Vec::new());
-    for p in pieces {
-        match p {
-            Piece::Content(t) => content.push_str(&t),
-            Piece::Call(c) => calls.push(c),
-        }
+/// How calls are read out of one request's answers: the model family's format, whether more
+/// than one call is kept, and the functions the request declared (a bare JSON object naming one
+/// of them is a call too, as small models write them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallParsing {
+    pub family: Family,
+    pub parallel: bool,
+    pub names: std::sync::Arc<Vec<String>>,
+}
+
+impl CallParsing {
+    pub fn of(family: Family, tools: &Tools) -> Self {
+        let names = tools.specs.iter().map(|s| s.name.clone()).collect();
+        CallParsing { family, parallel: tools.parallel, names: std::sync::Arc::new(names) }
     }
-    (content, calls)
+
+    pub fn parser(&self) -> ToolCallParser {
+        ToolCallParser::new(self.family, self.parallel, self.names.clone())
+    }
+
+    /// A whole answer's text split into its content and its calls.
+    pub fn split(&self, text: &str) -> (String, Vec<ParsedCall>) {
+        let mut parser = self.parser();
+        let mut pieces = parser.push(text);
+        pieces.extend(parser.finish());
+        let (mut content, mut calls) = (String::new(), Vec::new());
+        for p in pieces {
+            match p {
+                Piece::Content(t) => content.push_str(&t),
+                Piece::Call(c) => calls.push(c),
+            }
+        }
+        (content, calls)
+    }
 }
 
 /// OpenAI's `tool_choice`.

@@ -6,6 +6,8 @@
 //! still open when the stream ends (a truncated answer), or one whose body is not a valid call,
 //! is dropped, never shown as text.
 
+use std::sync::Arc;
+
 use serde_json::Value;
 
 /// How a model family writes its calls.
@@ -13,6 +15,8 @@ use serde_json::Value;
 pub enum Family {
     /// Hermes / Qwen2.5 / Qwen3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
     /// one block per call. Also Bellows' own tool prompt for templates without tool support.
+    /// An answer that is only `{"name": <a declared function>, "arguments": {...}}`, no tags, is
+    /// a call too: small instruct models write their calls so (as vLLM's Qwen parsers accept).
     Hermes,
     /// Llama 3.x: `{"name": ..., "parameters": {...}}` objects separated by `;`, as the whole
     /// answer (from its first character), or after a `<|python_tag|>`.
@@ -58,11 +62,13 @@ pub struct ToolCallParser {
     /// Calls after the first are dropped (`parallel_tool_calls: false`).
     parallel: bool,
     calls: usize,
-    /// Llama 3: the answer's first character has been seen (a bare call can only begin there).
+    /// The answer's first character has been seen (a bare call can only begin there).
     started: bool,
-    /// Llama 3: the calls began as bare JSON, with no marker: a body that is not calls was an
-    /// answer that happens to be JSON, and is content.
+    /// The answer began as bare JSON, with no marker: held whole, it is calls only if it parses
+    /// as them, and content otherwise.
     bare: bool,
+    /// The functions the request declared (a bare Hermes call must name one).
+    names: Arc<Vec<String>>,
 }
 
 const HERMES_OPEN: &str = "<tool_call>";
@@ -71,8 +77,17 @@ const MISTRAL_OPEN: &str = "[TOOL_CALLS]";
 const PYTHON_TAG: &str = "<|python_tag|>";
 
 impl ToolCallParser {
-    pub fn new(family: Family, parallel: bool) -> Self {
-        ToolCallParser { family, buf: String::new(), in_calls: false, parallel, calls: 0, started: false, bare: false }
+    pub fn new(family: Family, parallel: bool, names: Arc<Vec<String>>) -> Self {
+        ToolCallParser {
+            family,
+            buf: String::new(),
+            in_calls: false,
+            parallel,
+            calls: 0,
+            started: false,
+            bare: false,
+            names,
+        }
     }
 
     /// Feed the next text of the stream; returns what is now known.
@@ -90,8 +105,22 @@ impl ToolCallParser {
     /// The stream ended: held-back text that never became a marker is content; an open call is
     /// dropped (for Mistral and Llama 3, the calls are parsed now, whole).
     pub fn finish(&mut self) -> Vec<Piece> {
-        let rest = std::mem::take(&mut self.buf);
         let mut out = Vec::new();
+        if self.family == Family::Hermes && self.bare {
+            let body = std::mem::take(&mut self.buf);
+            match parse_call(&body, "arguments").filter(|c| self.names.contains(&c.name)) {
+                Some(call) => {
+                    self.emit_call(call, &mut out);
+                    return out;
+                }
+                // Not a call after all: the held answer goes through as any other would.
+                None => {
+                    (self.bare, self.started, self.buf) = (false, true, body);
+                    self.hermes(&mut out);
+                }
+            }
+        }
+        let rest = std::mem::take(&mut self.buf);
         if !self.in_calls {
             // Whitespace after the last call belongs to no one.
             if !(rest.trim().is_empty() && self.calls > 0) {
@@ -125,6 +154,19 @@ impl ToolCallParser {
     }
 
     fn hermes(&mut self, out: &mut Vec<Piece>) {
+        if !self.started {
+            let t = self.buf.trim_start();
+            if t.is_empty() {
+                return;
+            }
+            if t.starts_with('{') && !self.names.is_empty() {
+                self.bare = true;
+            }
+            self.started = true;
+        }
+        if self.bare {
+            return;
+        }
         loop {
             if self.in_calls {
                 let Some(end) = self.buf.find(HERMES_CLOSE) else { return };
@@ -253,7 +295,8 @@ mod tests {
     use super::*;
 
     fn run(family: Family, parallel: bool, chunks: &[&str]) -> (String, Vec<ParsedCall>) {
-        let mut p = ToolCallParser::new(family, parallel);
+        let names = ["a", "b", "weather", "time"].map(String::from).to_vec();
+        let mut p = ToolCallParser::new(family, parallel, Arc::new(names));
         let mut pieces: Vec<Piece> = chunks.iter().flat_map(|c| p.push(c)).collect();
         pieces.extend(p.finish());
         let mut text = String::new();
@@ -346,6 +389,25 @@ mod tests {
         assert_eq!(run(Family::Llama3Json, true, &[broken]).0, broken, "not calls after all: shown, not dropped");
         let tagged = "<|python_tag|>not json";
         assert_eq!(run(Family::Llama3Json, true, &[tagged]), (String::new(), vec![]), "a marked body is never content");
+    }
+
+    #[test]
+    fn a_bare_hermes_call_naming_a_declared_function_is_a_call_and_other_json_is_content() {
+        let bare = r#"{"name": "weather", "arguments": {"city": "Paris"}}"#;
+        for size in [1, 4, bare.len()] {
+            let chunks: Vec<String> =
+                bare.chars().collect::<Vec<_>>().chunks(size).map(|c| c.iter().collect()).collect();
+            let refs: Vec<&str> = chunks.iter().map(String::as_str).collect();
+            assert_eq!(run(Family::Hermes, true, &refs), (String::new(), vec![call("weather", r#"{"city":"Paris"}"#)]));
+        }
+        let undeclared = r#"{"name": "launch", "arguments": {}}"#;
+        assert_eq!(run(Family::Hermes, true, &[undeclared]).0, undeclared, "not a function of the request");
+        let answer = r#"{"city": "Paris"} is the JSON."#;
+        assert_eq!(run(Family::Hermes, true, &[answer]), (answer.to_string(), vec![]));
+        let mid = r#"Call it as {"name": "weather", "arguments": {}} please."#;
+        assert_eq!(run(Family::Hermes, true, &[mid]).0, mid, "only a whole answer is a bare call");
+        let tagged_after = "{\"x\": 1}\n<tool_call>{\"name\": \"time\", \"arguments\": {}}</tool_call>";
+        assert_eq!(run(Family::Hermes, true, &[tagged_after]), ("{\"x\": 1}".to_string(), vec![call("time", "{}")]));
     }
 
     #[test]

@@ -27,7 +27,7 @@ use crate::{
         response::{self, ChoiceOut, UsageOut},
     },
     dispatch::ChoiceEvent,
-    tools::{ParsedCall, Piece, ToolCallParser},
+    tools::{CallParsing, ParsedCall, Piece, ToolCallParser},
 };
 
 /// An error as Anthropic's clients read it: the status (and Retry-After) the error always has,
@@ -130,7 +130,7 @@ fn message(reply: &Reply, choice: &ChoiceOut, u: &UsageOut) -> Value {
 pub async fn stream(mut reply: Reply, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
     let mut timing = Timing { streamed: true, ..Timing::default() };
     let first = reply.first_output(&mut rx, &mut timing).await?;
-    let parser = reply.tool_parsing.map(|(family, parallel)| ToolCallParser::new(family, parallel));
+    let parser = reply.tool_parsing.as_ref().map(CallParsing::parser);
     let state = MessageStream {
         reply,
         rx,

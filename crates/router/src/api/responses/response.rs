@@ -32,7 +32,7 @@ use crate::{
         response::{self, ChoiceOut, UsageOut},
     },
     dispatch::ChoiceEvent,
-    tools::{ParsedCall, Piece, ToolCallParser},
+    tools::{CallParsing, ParsedCall, Piece, ToolCallParser},
 };
 
 fn now() -> u64 {
@@ -130,7 +130,7 @@ fn output_items(choice: &ChoiceOut) -> Vec<Value> {
 pub async fn stream(mut reply: Reply, turn: Turn, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
     let mut timing = Timing { streamed: true, ..Timing::default() };
     let first = reply.first_output(&mut rx, &mut timing).await?;
-    let parser = reply.tool_parsing.map(|(family, parallel)| ToolCallParser::new(family, parallel));
+    let parser = reply.tool_parsing.as_ref().map(CallParsing::parser);
     let state = ResponseStream {
         reply,
         turn,
