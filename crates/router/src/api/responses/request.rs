@@ -469,7 +469,7 @@ mod tests {
     fn flat_function_tools_and_a_named_choice_map_onto_the_chat_checks() {
         let body = json!({
             "model": "m", "input": "x",
-            "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}, "strict": true}],
+            "tools": [{"type": "function", "name": "w", "parameters": {"type": "object", "properties": {}, "additionalProperties": false}, "strict": true}],
             "tool_choice": {"type": "function", "name": "w"},
             "parallel_tool_calls": false,
         });
@@ -477,5 +477,9 @@ mod tests {
         let tools = job.tools.unwrap();
         assert_eq!(tools.choice, crate::tools::ToolChoice::Named("w".into()));
         assert!(!tools.parallel);
+        let open = json!({"model": "m", "input": "x",
+            "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}, "strict": true}]});
+        let e = parse_json(open, None).unwrap_err();
+        assert_eq!(param_of(e).as_deref(), Some("tools[0].function.parameters"), "strict reaches the chat checks");
     }
 }
