@@ -17,10 +17,7 @@ pub mod tenants;
 pub mod tokenize;
 pub mod tools;
 
-use std::{
-    sync::Arc,
-    time::{SystemTime, UNIX_EPOCH},
-};
+use std::sync::Arc;
 
 use anyhow::Context;
 use bellows_common::{
@@ -89,7 +86,7 @@ pub fn start(args: &RouterArgs, port: u16, shards: Arc<Shards>) -> anyhow::Resul
         tokenizers: TokenizerPool::new(threads, args.tokenizer_queue),
         max_body_bytes: args.max_body_bytes,
         metrics,
-        started_at: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        started_at: api::unix_seconds(),
         trace_text: args.trace_text,
         tenants,
         usage,

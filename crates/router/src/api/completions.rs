@@ -6,11 +6,7 @@
 //! reading the body), then the body's size, its validation, the model, tokenization off the
 //! async threads, the context check; only then are workers involved.
 
-use std::{
-    convert::Infallible,
-    sync::Arc,
-    time::{Instant, SystemTime, UNIX_EPOCH},
-};
+use std::{convert::Infallible, sync::Arc, time::Instant};
 
 use axum::{
     body::Body,
@@ -203,7 +199,7 @@ async fn complete(
         endpoint,
         id,
         model: pool.name.clone(),
-        created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        created: super::unix_seconds(),
         priority: class,
         n: job.n,
         choices: tokenized.len() * job.n as usize,

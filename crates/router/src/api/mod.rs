@@ -35,6 +35,11 @@ use crate::{
 };
 use error::ApiError;
 
+/// Now, in whole Unix seconds (the `created` of OpenAI's objects).
+pub fn unix_seconds() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
 /// Everything a request handler needs; shared by all connections.
 pub struct AppState {
     pub cluster: Arc<Cluster>,

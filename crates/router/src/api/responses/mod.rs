@@ -12,10 +12,7 @@ mod request;
 mod response;
 pub mod store;
 
-use std::{
-    sync::Arc,
-    time::{SystemTime, UNIX_EPOCH},
-};
+use std::sync::Arc;
 
 use axum::{
     Json,
@@ -47,7 +44,6 @@ pub struct Turn {
     input_items: Vec<Value>,
     context: Vec<Value>,
     echo: Map<String, Value>,
-    created_at: u64,
 }
 
 /// A fresh item id: `prefix`, `_`, 24 hex digits (`msg_…`, `fc_…`, `call_…`, `resp_…`).
@@ -80,7 +76,6 @@ pub(super) async fn parse(state: &AppState, tenant: &Tenant, body: &[u8]) -> Res
         input_items: parsed.input_items,
         context: parsed.context,
         echo: parsed.echo,
-        created_at: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     };
     Ok((job, turn))
 }

@@ -7,10 +7,7 @@
 //! A stored response is written once its output is complete, before the client is told it is
 //! (`response.completed`, or the whole answer): a continuation sent right after finds it.
 
-use std::{
-    convert::Infallible,
-    time::{SystemTime, UNIX_EPOCH},
-};
+use std::convert::Infallible;
 
 use axum::{
     Json,
@@ -35,10 +32,6 @@ use crate::{
     tools::{CallParsing, ParsedCall, Piece, ToolCallParser},
 };
 
-fn now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
-
 fn usage(u: &UsageOut) -> Value {
     json!({
         "input_tokens": u.prompt_tokens,
@@ -54,7 +47,7 @@ fn object(reply: &Reply, turn: &Turn, status: &str, output: &[Value], u: Option<
     let mut o = json!({
         "id": reply.id,
         "object": "response",
-        "created_at": turn.created_at,
+        "created_at": reply.created,
         "status": status,
         "model": reply.model,
         "output": output,
@@ -66,7 +59,7 @@ fn object(reply: &Reply, turn: &Turn, status: &str, output: &[Value], u: Option<
     let map = o.as_object_mut().expect("an object");
     map.extend(turn.echo.clone());
     if status == "completed" || status == "incomplete" {
-        map.insert("completed_at".into(), json!(now()));
+        map.insert("completed_at".into(), json!(crate::api::unix_seconds()));
     }
     o
 }
