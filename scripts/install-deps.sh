@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Install what a fresh Debian/Ubuntu machine lacks to build and test Bellows: protoc (gRPC code
-# generation), etcd (tests start their own), Prometheus and promtool (tests/integration's
-# prometheus test runs its own server and lints the scrapes), the models and vocabularies (the
-# default model, and those the family, tokenizer and template tests hold to llama.cpp and Hugging
-# Face: see scripts/fetch-model.sh), and the OpenAI Python client. Idempotent: does nothing that
-# is already done.
+# generation), etcd and PostgreSQL (tests start their own servers; PostgreSQL is the shared
+# response store), Prometheus and promtool (tests/integration's prometheus test runs its own
+# server and lints the scrapes), the models and vocabularies (the default model, and those the
+# family, tokenizer and template tests hold to llama.cpp and Hugging Face: see
+# scripts/fetch-model.sh), and the OpenAI and Anthropic Python clients. Idempotent: does nothing
+# that is already done.
 set -euo pipefail
 need=()
 command -v protoc >/dev/null || need+=(protobuf-compiler)
 command -v etcd >/dev/null || need+=(etcd-server)
 command -v etcdctl >/dev/null || need+=(etcd-client)
+compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || need+=(postgresql)
 # Without its recommended node exporter: the test needs only the server and promtool.
 lean=()
 { command -v prometheus >/dev/null && command -v promtool >/dev/null; } || lean+=(prometheus)

@@ -21,6 +21,7 @@ mod placement;
 mod procstat;
 mod shim;
 mod stats;
+mod store;
 mod watch;
 mod workload;
 
@@ -45,6 +46,8 @@ enum Command {
     Placement(placement::Args),
     /// Measure the router's KV-event ingestion (decode and index) on one thread; one JSON line.
     KvIngest(ingest::Args),
+    /// Time the response store's writes and reads (memory, PostgreSQL, and plain SQL beside it).
+    Store(store::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -56,5 +59,6 @@ fn main() -> anyhow::Result<()> {
         Command::Load(args) => rt.block_on(load::run(args)),
         Command::Placement(args) => placement::run(&rt, args),
         Command::KvIngest(args) => ingest::run(args),
+        Command::Store(args) => rt.block_on(store::run(args)),
     }
 }

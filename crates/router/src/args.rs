@@ -43,9 +43,24 @@ pub struct RouterArgs {
     /// (30 days, as OpenAI keeps them).
     #[arg(long, env = "BELLOWS_RESPONSES_TTL", default_value = "720h", value_parser = parse_duration)]
     pub responses_ttl: Duration,
-    /// Bytes of stored responses this router keeps in memory; the oldest go first.
+    /// Bytes of stored responses kept (in this router's memory, or in the shared database);
+    /// the oldest go first.
     #[arg(long, env = "BELLOWS_RESPONSES_MAX_BYTES", default_value_t = 256 << 20)]
     pub responses_max_bytes: usize,
+    /// PostgreSQL that stores responses for every router replica
+    /// (`postgres://user@host:5432/database`) [default: this router's memory, for one router].
+    #[arg(long, env = "BELLOWS_RESPONSES_STORE_URL")]
+    pub responses_store_url: Option<String>,
+    /// File holding the database user's password (a trailing newline is ignored).
+    #[arg(long, env = "BELLOWS_RESPONSES_STORE_PASSWORD_FILE", requires = "responses_store_url")]
+    pub responses_store_password_file: Option<PathBuf>,
+    /// How long one call to the database may take, connecting included; then the call fails
+    /// (a request that only writes its response still succeeds).
+    #[arg(long, env = "BELLOWS_RESPONSES_STORE_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub responses_store_timeout: Duration,
+    /// How often the database's expired and oldest-past-the-bound responses are dropped.
+    #[arg(long, env = "BELLOWS_RESPONSES_SWEEP_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub responses_sweep_interval: Duration,
     /// Threads that serve HTTP and talk to workers, each with its own share of the connections
     /// and its own stream to each worker [default: the number of CPUs]. Connections fill the
     /// threads in order (the next thread takes them once one is half busy), so a light load

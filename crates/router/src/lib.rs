@@ -28,7 +28,14 @@ use tokio::sync::watch;
 
 use crate::{
     admission::Admission,
-    api::{AppState, tls_listener::TlsListener},
+    api::{
+        AppState,
+        responses::{
+            postgres::{PgConfig, PgStore},
+            store::{MemoryStore, ResponseStore},
+        },
+        tls_listener::TlsListener,
+    },
     args::RouterArgs,
     cluster::Cluster,
     dispatch::Dispatcher,
@@ -92,8 +99,23 @@ pub fn start(args: &RouterArgs, port: u16, shards: Arc<Shards>) -> anyhow::Resul
         usage,
         fair_queue,
         refusal_log: Default::default(),
-        responses: Arc::new(api::responses::store::MemoryStore::new(args.responses_ttl, args.responses_max_bytes)),
+        responses: response_store(args)?,
     }))
+}
+
+/// The store for `store: true` responses: the shared database when one is given, else memory.
+fn response_store(args: &RouterArgs) -> anyhow::Result<Arc<dyn ResponseStore>> {
+    let Some(url) = &args.responses_store_url else {
+        return Ok(Arc::new(MemoryStore::new(args.responses_ttl, args.responses_max_bytes)));
+    };
+    Ok(PgStore::start(&PgConfig {
+        url: url.clone(),
+        password_file: args.responses_store_password_file.clone(),
+        ttl: args.responses_ttl,
+        max_bytes: args.responses_max_bytes,
+        timeout: args.responses_store_timeout,
+        sweep_every: args.responses_sweep_interval,
+    })?)
 }
 
 /// With etcd: follow the workers registered there, and take this router's share of every

@@ -6,6 +6,7 @@
 //! `BELLOWS_BIN_DIR`; `scripts/test.sh` builds them before the tests run.
 
 pub mod pki;
+pub mod postgres;
 pub mod schemas;
 
 use std::{

@@ -42,7 +42,7 @@ use crate::{
     dispatch::{Choice, ChoiceEvent, Structured},
     metrics::{ReasonLabels, RequestLabels},
     tenants::{QueueRejection, Tenant},
-    tools::{CallParsing, Family, Piece, ToolCallParser, Tools},
+    tools::{CallParsing, Family, ParsedCall, Piece, ToolCallParser, Tools},
 };
 
 pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -713,6 +713,14 @@ impl StreamState {
                     out.push(response::tool_calls_chunk(&header, index, *sent, &[call]));
                     *sent += 1;
                 }
+                Piece::CallStarted { name } => {
+                    let call = ParsedCall { name, arguments: String::new() };
+                    out.push(response::tool_calls_chunk(&header, index, self.calls[index as usize], &[call]));
+                }
+                Piece::Arguments(fragment) => {
+                    out.push(response::tool_arguments_chunk(&header, index, self.calls[index as usize], &fragment));
+                }
+                Piece::CallEnded => self.calls[index as usize] += 1,
             }
         }
         if logprobs.is_some() {

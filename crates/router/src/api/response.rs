@@ -120,6 +120,15 @@ pub fn tool_calls_chunk(header: &Header<'_>, index: u32, first: usize, calls: &[
     serde_json::to_string(&Chunk { header, choices: [choice], usage: None }).expect("chunks serialize")
 }
 
+/// The next fragment of call `call`'s arguments (OpenAI's shape: the index alone identifies
+/// the call, its id and name came with its first chunk).
+pub fn tool_arguments_chunk(header: &Header<'_>, index: u32, call: usize, fragment: &str) -> String {
+    let tool_calls = vec![json!({"index": call, "function": {"arguments": fragment}})];
+    let delta = ChatDelta { role: None, content: None, tool_calls: Some(tool_calls) };
+    let choice = ChatChunkChoice { index, delta, logprobs: None, finish_reason: None };
+    serde_json::to_string(&Chunk { header, choices: [choice], usage: None }).expect("chunks serialize")
+}
+
 /// The last chunk when the client asked for `stream_options.include_usage`: no choices.
 pub fn usage_chunk(header: &Header<'_>, usage: UsageOut) -> String {
     serde_json::to_string(&Chunk { header, choices: [(); 0], usage: Some(usage) }).expect("chunks serialize")

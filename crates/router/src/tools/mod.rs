@@ -68,6 +68,9 @@ impl CallParsing {
             match p {
                 Piece::Content(t) => content.push_str(&t),
                 Piece::Call(c) => calls.push(c),
+                Piece::CallStarted { name } => calls.push(ParsedCall { name, arguments: String::new() }),
+                Piece::Arguments(fragment) => calls.last_mut().expect("a call started").arguments.push_str(&fragment),
+                Piece::CallEnded => {}
             }
         }
         (content, calls)

@@ -138,6 +138,7 @@ pub async fn stream(mut reply: Reply, mut rx: mpsc::Receiver<ChoiceEvent>) -> Re
         pending: Some(first),
         parser,
         text_block: None,
+        call_block: None,
         blocks: 0,
         made_calls: false,
         announced: false,
@@ -155,6 +156,8 @@ struct MessageStream {
     parser: Option<ToolCallParser>,
     /// The index of the text block open now (text arrives into it until a call or the end).
     text_block: Option<u32>,
+    /// The index of the `tool_use` block whose arguments are streaming.
+    call_block: Option<u32>,
     /// Content blocks started so far: the next one's index.
     blocks: u32,
     made_calls: bool,
@@ -242,7 +245,8 @@ impl MessageStream {
     }
 
     /// Text goes into the open text block (opened as needed); a call closes it and is a
-    /// `tool_use` block of its own, its arguments in one `input_json_delta`.
+    /// `tool_use` block of its own, its arguments in `input_json_delta`s as they stream (one
+    /// for a call parsed whole).
     fn send_pieces(&mut self, pieces: Vec<Piece>, out: &mut Vec<Named>) {
         for piece in pieces {
             match piece {
@@ -256,22 +260,38 @@ impl MessageStream {
                     ));
                 }
                 Piece::Call(call) => {
-                    self.close_text(out);
-                    let index = self.next_block();
-                    let block = json!({"type": "tool_use", "id": tool_use_id(), "name": call.name, "input": {}});
-                    let delta = json!({"type": "input_json_delta", "partial_json": call.arguments});
-                    out.push((
-                        "content_block_start",
-                        json!({"type": "content_block_start", "index": index, "content_block": block}),
-                    ));
-                    out.push((
-                        "content_block_delta",
-                        json!({"type": "content_block_delta", "index": index, "delta": delta}),
-                    ));
-                    out.push(("content_block_stop", json!({"type": "content_block_stop", "index": index})));
-                    self.made_calls = true;
+                    self.start_call(&call.name, out);
+                    self.call_arguments(&call.arguments, out);
+                    self.end_call(out);
                 }
+                Piece::CallStarted { name } => self.start_call(&name, out),
+                Piece::Arguments(fragment) => self.call_arguments(&fragment, out),
+                Piece::CallEnded => self.end_call(out),
             }
+        }
+    }
+
+    fn start_call(&mut self, name: &str, out: &mut Vec<Named>) {
+        self.close_text(out);
+        let index = self.next_block();
+        self.call_block = Some(index);
+        let block = json!({"type": "tool_use", "id": tool_use_id(), "name": name, "input": {}});
+        out.push((
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": block}),
+        ));
+        self.made_calls = true;
+    }
+
+    fn call_arguments(&mut self, fragment: &str, out: &mut Vec<Named>) {
+        let index = self.call_block.expect("arguments follow their call's start");
+        let delta = json!({"type": "input_json_delta", "partial_json": fragment});
+        out.push(("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": delta})));
+    }
+
+    fn end_call(&mut self, out: &mut Vec<Named>) {
+        if let Some(index) = self.call_block.take() {
+            out.push(("content_block_stop", json!({"type": "content_block_stop", "index": index})));
         }
     }
 

@@ -8,6 +8,7 @@
 //! (`store`) are its own. A continuation renders the stored conversation as the prefix of its
 //! prompt, so cache-aware placement finds the worker that holds its KV.
 
+pub mod postgres;
 mod request;
 mod response;
 pub mod store;

@@ -133,6 +133,7 @@ pub async fn stream(mut reply: Reply, turn: Turn, mut rx: mpsc::Receiver<ChoiceE
         parser,
         output: Vec::new(),
         text: None,
+        call: None,
         sequence: 0,
         announced: false,
         finished: false,
@@ -151,10 +152,19 @@ struct ResponseStream {
     output: Vec<Value>,
     /// The message item open now: its id and its text so far.
     text: Option<(String, String)>,
+    /// The function call item whose arguments are streaming.
+    call: Option<OpenCall>,
     /// The next event's `sequence_number`.
     sequence: u64,
     announced: bool,
     finished: bool,
+}
+
+/// A `function_call` item being streamed: its item id, its call id, and the call so far.
+struct OpenCall {
+    id: String,
+    call_id: String,
+    call: ParsedCall,
 }
 
 /// What one step produced: events to send, and the finished response to store before the
@@ -265,7 +275,8 @@ impl ResponseStream {
     }
 
     /// Text goes into the open message item (opened as needed); a call closes it and is a
-    /// `function_call` item of its own, its arguments in one delta.
+    /// `function_call` item of its own, its arguments in deltas as they stream (one for a call
+    /// parsed whole).
     fn send_pieces(&mut self, pieces: Vec<Piece>, out: &mut Vec<Sent>) {
         for piece in pieces {
             match piece {
@@ -289,26 +300,50 @@ impl ResponseStream {
                     out.push(Sent { name: kind, data });
                 }
                 Piece::Call(call) => {
-                    self.close_text(out);
-                    let index = self.output.len();
-                    let (id, call_id) = (new_item_id("fc"), new_item_id("call"));
-                    let added = json!({"output_index": index, "item": call_item(&id, &call_id, &call, "in_progress")});
-                    let e = self.event("response.output_item.added", added);
-                    out.push(e);
-                    let delta = json!({"output_index": index, "item_id": id, "delta": call.arguments});
-                    let e = self.event("response.function_call_arguments.delta", delta);
-                    out.push(e);
-                    let done =
-                        json!({"output_index": index, "item_id": id, "name": call.name, "arguments": call.arguments});
-                    let e = self.event("response.function_call_arguments.done", done);
-                    out.push(e);
-                    let item = call_item(&id, &call_id, &call, "completed");
-                    let e = self.event("response.output_item.done", json!({"output_index": index, "item": item}));
-                    out.push(e);
-                    self.output.push(item);
+                    self.start_call(call.name, out);
+                    self.call_arguments(&call.arguments, out);
+                    self.end_call(out);
                 }
+                Piece::CallStarted { name } => self.start_call(name, out),
+                Piece::Arguments(fragment) => self.call_arguments(&fragment, out),
+                Piece::CallEnded => self.end_call(out),
             }
         }
+    }
+
+    /// A `function_call` item opens: it closes the message item, if one is open.
+    fn start_call(&mut self, name: String, out: &mut Vec<Sent>) {
+        self.close_text(out);
+        let call = OpenCall {
+            id: new_item_id("fc"),
+            call_id: new_item_id("call"),
+            call: ParsedCall { name, arguments: String::new() },
+        };
+        let item = call_item(&call.id, &call.call_id, &call.call, "in_progress");
+        let e = self.event("response.output_item.added", json!({"output_index": self.output.len(), "item": item}));
+        out.push(e);
+        self.call = Some(call);
+    }
+
+    fn call_arguments(&mut self, fragment: &str, out: &mut Vec<Sent>) {
+        let index = self.output.len();
+        let call = self.call.as_mut().expect("arguments follow their call's start");
+        call.call.arguments.push_str(fragment);
+        let delta = json!({"output_index": index, "item_id": call.id, "delta": fragment});
+        let e = self.event("response.function_call_arguments.delta", delta);
+        out.push(e);
+    }
+
+    fn end_call(&mut self, out: &mut Vec<Sent>) {
+        let Some(OpenCall { id, call_id, call }) = self.call.take() else { return };
+        let index = self.output.len();
+        let done = json!({"output_index": index, "item_id": id, "name": call.name, "arguments": call.arguments});
+        let e = self.event("response.function_call_arguments.done", done);
+        out.push(e);
+        let item = call_item(&id, &call_id, &call, "completed");
+        let e = self.event("response.output_item.done", json!({"output_index": index, "item": item}));
+        out.push(e);
+        self.output.push(item);
     }
 
     /// The open message item's output index, opening one (its item and its text part) if none is.

@@ -17,7 +17,7 @@ use serde_json::Value;
 
 /// One stored response: the object `GET /v1/responses/{id}` returns, the request's own input
 /// items (`/input_items`), and the conversation a continuation starts from.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Stored {
     pub response: Value,
     pub input_items: Vec<Value>,
@@ -38,8 +38,11 @@ impl Stored {
 /// Why the store could not answer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
-    #[error("the response store is unavailable: {0}")]
+    /// The backend's own reason (the HTTP layer says that the store is unavailable).
+    #[error("{0}")]
     Unavailable(String),
+    #[error("a response of {bytes} bytes is larger than the whole store ({max} bytes)")]
+    TooLarge { bytes: usize, max: usize },
 }
 
 /// A backend for stored responses.
@@ -53,7 +56,7 @@ pub trait ResponseStore: Send + Sync {
 }
 
 /// The embedded store: this router's memory, for one router (a cluster of routers shares a
-/// database instead, so that any replica reads what another stored).
+/// database instead, so that any replica reads what another stored: `super::postgres`).
 pub struct MemoryStore {
     ttl: Duration,
     max_bytes: usize,
@@ -112,10 +115,7 @@ impl ResponseStore for MemoryStore {
         let mut m = self.lock();
         m.remove(&key);
         if bytes > self.max_bytes {
-            return Err(StoreError::Unavailable(format!(
-                "a response of {bytes} bytes is larger than the store ({} bytes)",
-                self.max_bytes
-            )));
+            return Err(StoreError::TooLarge { bytes, max: self.max_bytes });
         }
         m.make_room(bytes, self.max_bytes);
         m.next_serial += 1;
