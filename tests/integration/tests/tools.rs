@@ -1,9 +1,9 @@
 //! Tool calls through the whole cluster, over simulated workers: `tool_choice` `required` and
 //! named are enforced by a grammar, so even the simulated model returns well-formed calls whose
-//! arguments match the function's schema; calls come back whole and streamed, with no markup in
-//! the content; bad tool input is a 400 that costs no worker time.
+//! arguments match the function's schema; calls come back whole and streamed (arguments in
+//! fragments, in every protocol), with no markup in the content; bad tool input is a 400 that costs no worker time.
 
-use bellows_integration::{Router, Worker, schemas, sim, sse};
+use bellows_integration::{Router, Worker, schemas, sim, sse, sse_named};
 use serde_json::{Value, json};
 
 async fn cluster() -> (Worker, Router) {
@@ -102,19 +102,35 @@ async fn streamed_tool_call_deltas_reassemble_to_the_whole_answers_calls() {
     streamed["stream"] = json!(true);
     let response =
         reqwest::Client::new().post(router.url("/v1/chat/completions")).json(&streamed).send().await.unwrap();
-    let chunks = sse(response).await;
-    let (mut content, mut calls, mut finish) = (String::new(), Vec::<Value>::new(), None);
+    let (content, calls, finish, fragments) = join_chat_stream(&sse(response).await);
+    assert_eq!(content, "", "no tool markup in the streamed content");
+    assert_eq!(finish.as_deref(), Some("tool_calls"));
+    assert!(fragments > 1, "the arguments stream as they are generated, not in one piece");
+    assert_eq!(checked_calls(&Value::Array(calls)), want);
+}
+
+/// A streamed chat answer joined as the `openai` SDK joins it: a tool-call delta with an id
+/// opens the call at its index, later ones append to its arguments. The content, the calls, the
+/// finish reason, and how many argument fragments came.
+fn join_chat_stream(chunks: &[Value]) -> (String, Vec<Value>, Option<String>, usize) {
+    let (mut content, mut calls, mut finish, mut fragments) = (String::new(), Vec::<Value>::new(), None, 0);
     for c in chunks.iter().filter_map(|c| c.get("choices")?.get(0)) {
         content += c["delta"]["content"].as_str().unwrap_or("");
         for t in c["delta"]["tool_calls"].as_array().into_iter().flatten() {
-            assert_eq!(t["index"].as_u64().unwrap() as usize, calls.len(), "calls are numbered in order");
-            calls.push(t.clone());
+            let index = t["index"].as_u64().unwrap() as usize;
+            if t.get("id").is_some() {
+                assert_eq!(index, calls.len(), "calls are numbered in order");
+                calls.push(t.clone());
+            } else {
+                let args = t["function"]["arguments"].as_str().expect("a fragment of arguments");
+                let call = &mut calls[index]["function"]["arguments"];
+                *call = json!(format!("{}{args}", call.as_str().unwrap()));
+                fragments += 1;
+            }
         }
         finish = c["finish_reason"].as_str().map(str::to_string).or(finish);
     }
-    assert_eq!(content, "", "no tool markup in the streamed content");
-    assert_eq!(finish.as_deref(), Some("tool_calls"));
-    assert_eq!(checked_calls(&Value::Array(calls)), want);
+    (content, calls, finish, fragments)
 }
 
 #[tokio::test]
@@ -153,30 +169,33 @@ async fn tool_markup_from_a_constraint_without_tools_stays_content() {
 #[tokio::test]
 async fn a_truncated_forced_call_leaks_no_markup() {
     let (_w, router) = cluster().await;
+    let mut answers = Vec::new();
     for stream in [false, true] {
-        let body = request(json!({"tool_choice": "required", "max_tokens": 12, "stream": stream}));
+        let body = request(json!({"tool_choice": "required", "max_tokens": 12, "temperature": 0, "stream": stream}));
         let response =
             reqwest::Client::new().post(router.url("/v1/chat/completions")).json(&body).send().await.unwrap();
         let (content, finish, calls) = if stream {
-            let chunks = sse(response).await;
-            let cs: Vec<&Value> = chunks.iter().filter_map(|c| c.get("choices")?.get(0)).collect();
-            let content: String = cs.iter().filter_map(|c| c["delta"]["content"].as_str()).collect();
-            let finish = cs.iter().find_map(|c| c["finish_reason"].as_str().map(str::to_string));
-            let calls = cs.iter().filter(|c| c["delta"].get("tool_calls").is_some()).count();
+            let (content, calls, finish, _) = join_chat_stream(&sse(response).await);
             (content, finish, calls)
         } else {
             let reply: Value = response.json().await.unwrap();
             let c = &reply["choices"][0];
             let content = c["message"]["content"].as_str().unwrap_or("").to_string();
-            (
-                content,
-                c["finish_reason"].as_str().map(str::to_string),
-                c["message"]["tool_calls"].as_array().map_or(0, Vec::len),
-            )
+            let calls = c["message"]["tool_calls"].as_array().cloned().unwrap_or_default();
+            (content, c["finish_reason"].as_str().map(str::to_string), calls)
         };
         assert_eq!(finish.as_deref(), Some("length"), "stream={stream}");
-        assert_eq!((content.as_str(), calls), ("", 0), "stream={stream}: the open call is dropped");
+        assert_eq!(content, "", "stream={stream}: no markup in the content");
+        // A call whose arguments had begun streaming ends as far as it got (as OpenAI's does):
+        // its arguments are a prefix of a valid object, never complete JSON.
+        let args: Vec<String> =
+            calls.iter().map(|c| c["function"]["arguments"].as_str().unwrap().to_string()).collect();
+        answers.push(args.clone());
+        for a in args {
+            assert!(a.starts_with('{') && serde_json::from_str::<Value>(&a).is_err(), "stream={stream}: {a}");
+        }
     }
+    assert_eq!(answers[0], answers[1], "whole and streamed answers cut off alike");
 }
 
 #[tokio::test]
@@ -214,4 +233,88 @@ async fn bad_tool_input_is_a_400_naming_the_field_before_any_worker_is_used() {
         .await;
     assert_eq!((status, reply["error"]["param"].clone()), (400, json!("tool_choice")), "{reply}");
     assert_eq!(router.metric("bellows_router_placements_total").await, 0.0, "no worker was used");
+}
+
+/// The forced call's arguments: whole, and joined from the stream's fragments with their count.
+async fn call_arguments(
+    router: &Router,
+    path: &str,
+    body: Value,
+    join: fn(&[(String, Value)]) -> (String, usize),
+) -> (String, String, usize) {
+    let (status, _, whole) = router.post(path, &body).await;
+    assert_eq!(status, 200, "{whole}");
+    let whole = match path {
+        "/v1/chat/completions" => whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"].clone(),
+        "/v1/responses" => {
+            whole["output"].as_array().unwrap().iter().find(|i| i["type"] == "function_call").unwrap()["arguments"]
+                .clone()
+        }
+        _ => json!(
+            whole["content"].as_array().unwrap().iter().find(|b| b["type"] == "tool_use").unwrap()["input"].to_string()
+        ),
+    };
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let response = reqwest::Client::new().post(router.url(path)).json(&streamed).send().await.unwrap();
+    let (joined, fragments) = join(&sse_named(response).await);
+    (whole.as_str().unwrap().to_string(), joined, fragments)
+}
+
+#[tokio::test]
+async fn streamed_arguments_arrive_in_fragments_that_join_to_the_whole_call_in_every_protocol() {
+    let (_w, router) = cluster().await;
+    for city in ["Paris", "Oslo", "Lima"] {
+        let user = json!([{"role": "user", "content": format!("weather in {city}?")}]);
+        let chat = request(
+            json!({"messages": user, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "temperature": 0}),
+        );
+        let (whole, joined, fragments) = call_arguments(&router, "/v1/chat/completions", chat, |events| {
+            let chunks: Vec<Value> = events.iter().map(|(_, v)| v.clone()).collect();
+            let (_, calls, _, fragments) = join_chat_stream(&chunks);
+            (calls[0]["function"]["arguments"].as_str().unwrap().to_string(), fragments)
+        })
+        .await;
+        assert_eq!(joined, whole, "chat, {city}");
+        assert!(fragments > 1, "chat, {city}");
+
+        let function = json!({"type": "function", "name": "get_weather", "parameters": weather_schema()});
+        let responses = json!({"model": "sim", "input": user, "tools": [function], "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 300, "temperature": 0});
+        let (whole, joined, fragments) = call_arguments(&router, "/v1/responses", responses, |events| {
+            let done = events.iter().find(|(name, _)| name == "response.function_call_arguments.done").unwrap();
+            let deltas: Vec<&str> = events
+                .iter()
+                .filter(|(name, e)| {
+                    name == "response.function_call_arguments.delta" && e["item_id"] == done.1["item_id"]
+                })
+                .map(|(_, e)| e["delta"].as_str().unwrap())
+                .collect();
+            assert_eq!(
+                done.1["arguments"].as_str().unwrap(),
+                deltas.concat(),
+                "the done event holds the joined deltas"
+            );
+            (deltas.concat(), deltas.len())
+        })
+        .await;
+        assert_eq!(joined, whole, "responses, {city}");
+        assert!(fragments > 1, "responses, {city}");
+
+        let tool = json!({"name": "get_weather", "input_schema": weather_schema()});
+        let messages = json!({"model": "sim", "messages": user, "tools": [tool], "tool_choice": {"type": "tool", "name": "get_weather"}, "max_tokens": 300, "temperature": 0});
+        let (whole, joined, fragments) = call_arguments(&router, "/v1/messages", messages, |events| {
+            let first = events.iter().find(|(_, e)| e["content_block"]["type"] == "tool_use").unwrap();
+            let deltas: Vec<&str> = events
+                .iter()
+                .filter(|(_, e)| e["delta"]["type"] == "input_json_delta" && e["index"] == first.1["index"])
+                .map(|(_, e)| e["delta"]["partial_json"].as_str().unwrap())
+                .collect();
+            (deltas.concat(), deltas.len())
+        })
+        .await;
+        let (whole, joined): (Value, Value) =
+            (serde_json::from_str(&whole).unwrap(), serde_json::from_str(&joined).unwrap());
+        assert_eq!(joined, whole, "messages, {city} (its whole answer holds the input as an object)");
+        assert!(fragments > 1, "messages, {city}");
+    }
 }
