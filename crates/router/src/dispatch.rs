@@ -36,6 +36,9 @@ pub struct GenerationParams {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Control tokens the model generates are written out in its text (vLLM's
+    /// `skip_special_tokens: false`; and for a tool-call syntax that starts with one).
+    pub keep_special_tokens: bool,
     /// What the output must match (structured outputs); `None` = free text.
     pub structured: Option<Structured>,
     /// Report each token's logprob with this many alternatives; `None` = no logprobs.
@@ -351,6 +354,7 @@ impl Dispatcher {
             constraint: params.structured.as_ref().map(|s| constraint_frame(&s.constraint)),
             top_logprobs: params.top_logprobs,
             priority: pb::Priority::from(choice.priority) as i32,
+            keep_special_tokens: params.keep_special_tokens,
         }
     }
 

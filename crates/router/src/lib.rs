@@ -6,6 +6,7 @@
 //! The router holds no state that matters: any number may run side by side.
 
 pub mod admission;
+pub mod answer;
 pub mod api;
 pub mod args;
 pub mod cluster;

@@ -186,6 +186,14 @@ impl PromptTokenizer {
         }
     }
 
+    /// The id of a token spelled `text`, when the vocabulary has it as one token.
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        match self {
+            PromptTokenizer::Model { tokenizer, .. } => tokenizer.token_to_id(text),
+            PromptTokenizer::Sim { .. } => None,
+        }
+    }
+
     /// Each id's token as the vocabulary spells it (byte-level BPE's `Ġ` for a space, for one).
     pub fn token_strs(&self, ids: &[u32]) -> Vec<String> {
         match self {

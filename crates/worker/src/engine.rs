@@ -266,6 +266,7 @@ impl EngineHandle {
             stop: req.stop,
             stop_ids: req.stop_token_ids,
             ignore_eos: req.ignore_eos,
+            keep_special: req.keep_special_tokens,
             progress: req.progress,
             reply,
         });

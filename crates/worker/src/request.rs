@@ -32,6 +32,8 @@ pub struct GenerateRequest {
     pub top_logprobs: Option<u32>,
     /// Its class in the waiting queue and in preemption (see [`crate::scheduler`]).
     pub priority: Priority,
+    /// Control tokens it generates are written out in its text (their vocabulary spelling).
+    pub keep_special_tokens: bool,
 }
 
 /// The most alternatives a request may ask for per token (OpenAI's limit).
@@ -68,6 +70,7 @@ impl GenerateRequest {
             constraint: None,
             top_logprobs: None,
             priority: Priority::Standard,
+            keep_special_tokens: false,
         }
     }
 }

@@ -194,6 +194,8 @@ pub struct Sequence {
     detok: Detokenizer,
     stop_ids: Vec<u32>,
     ignore_eos: bool,
+    /// Control tokens are written out in the text.
+    keep_special: bool,
     /// Send [`Event::Progress`] too.
     progress: bool,
     reply: UnboundedSender<Event>,
@@ -222,6 +224,7 @@ pub struct SequenceInit {
     pub stop: Vec<String>,
     pub stop_ids: Vec<u32>,
     pub ignore_eos: bool,
+    pub keep_special: bool,
     pub progress: bool,
     pub reply: UnboundedSender<Event>,
 }
@@ -248,6 +251,7 @@ impl Sequence {
             detok: Detokenizer::new(),
             stop_ids: i.stop_ids,
             ignore_eos: i.ignore_eos,
+            keep_special: i.keep_special,
             progress: i.progress,
             reply: i.reply,
         }
@@ -259,7 +263,11 @@ impl Sequence {
         if self.stop_ids.contains(&t) || (!self.ignore_eos && vocab.eos_ids().contains(&t)) {
             return Advance::Stop { text: String::new(), flush: true };
         }
-        let text = self.detok.push(vocab.token_bytes(t));
+        let bytes = match vocab.token_bytes(t) {
+            [] if self.keep_special => vocab.special_text(t),
+            bytes => bytes,
+        };
+        let text = self.detok.push(bytes);
         match self.stop.push(&text) {
             StopCheck::Stopped(text) => Advance::Stop { text, flush: false },
             // A complete grammar allows nothing after it: the request ends here.

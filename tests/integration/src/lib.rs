@@ -666,6 +666,40 @@ impl Router {
     }
 }
 
+/// An official client's Python package: the variable that may name its directory, and its
+/// directory under `~/.cache/bellows` (where scripts/install-deps.sh puts it).
+pub type ClientPackage = (&'static str, &'static str);
+pub const OPENAI: ClientPackage = ("BELLOWS_PY_OPENAI", "py-openai");
+pub const ANTHROPIC: ClientPackage = ("BELLOWS_PY_ANTHROPIC", "py-anthropic");
+
+impl Router {
+    /// Run one of the official-client scripts in `tests/` against this router for `model`, with
+    /// the clients' `packages` importable. Fails the test with the script's output if it fails.
+    pub fn run_official_client(&self, script: &str, model: &str, packages: &[ClientPackage]) {
+        let home = std::env::var("HOME").unwrap();
+        let paths: Vec<String> = packages
+            .iter()
+            .map(|(env, dir)| std::env::var(env).unwrap_or_else(|_| format!("{home}/.cache/bellows/{dir}")))
+            .collect();
+        // Read when the test runs: a binary built in another checkout sharing the target
+        // directory must not run that checkout's script.
+        let path = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("tests").join(script);
+        let out = Command::new("python3")
+            .arg(&path)
+            .env("PYTHONPATH", paths.join(":"))
+            .env("BASE_URL", &self.url)
+            .env("MODEL", model)
+            .output()
+            .expect("python3 runs (scripts/install-deps.sh installs the official clients)");
+        assert!(
+            out.status.success(),
+            "{script} failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 /// One parsed SSE stream: the `data:` payloads in order (`[DONE]` included as a string).
 pub async fn sse(response: reqwest::Response) -> Vec<serde_json::Value> {
     sse_named(response).await.into_iter().map(|(_, data)| data).collect()

@@ -2,9 +2,7 @@
 //! at the router matches llama.cpp's, and the official OpenAI and Anthropic Python clients work
 //! unchanged.
 
-use std::{path::PathBuf, process::Command};
-
-use bellows_integration::{Router, Worker, schemas};
+use bellows_integration::{ANTHROPIC, OPENAI, Router, Worker, schemas};
 use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
 
@@ -44,7 +42,7 @@ async fn the_router_tokenizes_text_exactly_like_llama_cpp_and_official_clients_w
 
     assert_router_tokenizes_like_llama_cpp(&router, "smollm2", &fixture(), 6).await;
 
-    official_client(&router, "openai_client.py", "BELLOWS_PY_OPENAI", "py-openai");
+    router.run_official_client("openai_client.py", "smollm2", &[OPENAI]);
 }
 
 #[tokio::test]
@@ -79,36 +77,13 @@ async fn tokenize_and_detokenize_agree_with_llama_cpp_and_with_what_a_chat_reque
 #[tokio::test]
 async fn the_official_openai_clients_responses_api_works_unchanged() {
     let (_worker, router) = real_cluster().await;
-    official_client(&router, "openai_responses.py", "BELLOWS_PY_OPENAI", "py-openai");
+    router.run_official_client("openai_responses.py", "smollm2", &[OPENAI]);
 }
 
 #[tokio::test]
 async fn the_official_anthropic_client_works_unchanged() {
     let (_worker, router) = real_cluster().await;
-    official_client(&router, "anthropic_client.py", "BELLOWS_PY_ANTHROPIC", "py-anthropic");
-}
-
-/// Run one of the official-client scripts in `tests/` against the router, with the client's
-/// package from `$env` or `~/.cache/bellows/<dir>` (where scripts/install-deps.sh puts it).
-fn official_client(router: &Router, script: &str, env: &str, dir: &str) {
-    let packages =
-        std::env::var(env).unwrap_or_else(|_| format!("{}/.cache/bellows/{dir}", std::env::var("HOME").unwrap()));
-    // Read when the test runs: a binary built in another checkout sharing the target directory
-    // must not run that checkout's script.
-    let path = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("tests").join(script);
-    let out = Command::new("python3")
-        .arg(&path)
-        .env("PYTHONPATH", &packages)
-        .env("BASE_URL", &router.url)
-        .env("MODEL", "smollm2")
-        .output()
-        .expect("python3 runs (scripts/install-deps.sh installs the official clients)");
-    assert!(
-        out.status.success(),
-        "{script} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    router.run_official_client("anthropic_client.py", "smollm2", &[ANTHROPIC]);
 }
 
 #[tokio::test]

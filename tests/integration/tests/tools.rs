@@ -235,13 +235,11 @@ async fn bad_tool_input_is_a_400_naming_the_field_before_any_worker_is_used() {
     assert_eq!(router.metric("bellows_router_placements_total").await, 0.0, "no worker was used");
 }
 
+/// Joins one protocol's streamed events into a call's arguments, with the fragment count.
+type JoinArguments = fn(&[(String, Value)]) -> (String, usize);
+
 /// The forced call's arguments: whole, and joined from the stream's fragments with their count.
-async fn call_arguments(
-    router: &Router,
-    path: &str,
-    body: Value,
-    join: fn(&[(String, Value)]) -> (String, usize),
-) -> (String, String, usize) {
+async fn call_arguments(router: &Router, path: &str, body: Value, join: JoinArguments) -> (String, String, usize) {
     let (status, _, whole) = router.post(path, &body).await;
     assert_eq!(status, 200, "{whole}");
     let whole = match path {

@@ -42,7 +42,8 @@ use crate::{
     dispatch::{Choice, ChoiceEvent, Structured},
     metrics::{ReasonLabels, RequestLabels},
     tenants::{QueueRejection, Tenant},
-    tools::{CallParsing, Family, ParsedCall, Piece, ToolCallParser, Tools},
+    answer::{AnswerParser, AnswerShape, Piece, Start},
+    tools::{CallParsing, Family, ParsedCall, Tools},
 };
 
 pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -186,6 +187,9 @@ async fn complete(
         .filter(|t| t.active())
         .map(|t| CallParsing::of(Family::of_template(pool.tokenizer.template().map(ChatTemplate::source)), t));
     check_constraints(state, tool_parsing.as_ref().map(|p| p.family), &mut job).await?;
+    if tool_parsing.as_ref().is_some_and(|p| p.family.opens_with_a_control_token()) {
+        job.params.keep_special_tokens = true;
+    }
     let cache_salt = tenant.prefix_salt(job.cache_salt.as_deref());
     let tokenized = tokenize_job(state, &pool, &mut job, &cache_salt).await?;
     check_against_model(&pool, &job, &tokenized)?;
@@ -205,7 +209,7 @@ async fn complete(
         choices: tokenized.len() * job.n as usize,
         prompt_tokens: tokenized.first().map_or(0, |t| t.tokens.len() as u32),
         logprobs: job.params.top_logprobs.is_some(),
-        tool_parsing,
+        answer: AnswerShape { thinking: thinking_start(endpoint, &pool, &tokenized), calls: tool_parsing },
         span: span.clone(),
         trace_text: state.trace_text,
         arrived,
@@ -213,6 +217,13 @@ async fn complete(
         accounting,
     };
     answer(state, &pool, choices, reply, turn, &job).await
+}
+
+/// Where a thinking model's answer starts, on the endpoints that keep thinking apart (a raw
+/// completion's text is the model's, tags and all).
+fn thinking_start(endpoint: Endpoint, pool: &ModelPool, tokenized: &[Tokenized]) -> Option<Start> {
+    let thinking = pool.thinking.filter(|_| endpoint != Endpoint::Completions)?;
+    Some(thinking.start(&tokenized.first()?.tokens))
 }
 
 /// The job's prompts as tokens and block hashes: on the tokenizer pool when there is text or
@@ -585,7 +596,7 @@ impl Reply {
     async fn stream(mut self, mut rx: mpsc::Receiver<ChoiceEvent>, include_usage: bool) -> Result<Response, ApiError> {
         let mut timing = Timing { streamed: true, ..Timing::default() };
         let first = self.first_output(&mut rx, &mut timing).await?;
-        let parsers = (0..self.choices).map(|_| self.tool_parsing.as_ref().map(CallParsing::parser)).collect();
+        let parsers = (0..self.choices).map(|_| self.answer.parser()).collect();
         let state = StreamState {
             parsers,
             calls: vec![0; self.choices],
@@ -612,8 +623,8 @@ struct StreamState {
     pending: Option<ChoiceEvent>,
     /// Per choice: characters of text its logprobs have covered (completions' `text_offset`).
     text_offsets: Vec<u32>,
-    /// Per choice, with tools: its call parser, and the calls it sent.
-    parsers: Vec<Option<ToolCallParser>>,
+    /// Per choice: its answer's parser, and the calls it sent.
+    parsers: Vec<AnswerParser>,
     calls: Vec<usize>,
     /// Chat choices whose opening chunk (the role) was sent.
     opened: Vec<u32>,
@@ -649,28 +660,25 @@ impl StreamState {
         }
         match event {
             Some(ChoiceEvent::Started { .. }) => {}
-            Some(ChoiceEvent::Text { index, text, logprobs, .. }) => {
+            Some(ChoiceEvent::Text { index, text, tokens, logprobs, .. }) => {
                 self.open(index, &mut out);
                 let logprobs = self
                     .reply
                     .logprobs
                     .then(|| response::logprobs(endpoint, &logprobs, &mut self.text_offsets[index as usize]));
-                let pieces = match &mut self.parsers[index as usize] {
-                    Some(p) => p.push(&text),
-                    None => vec![Piece::Content(text)],
-                };
+                let pieces = self.parsers[index as usize].push(&text, tokens);
                 self.send_pieces(index, pieces, logprobs, &mut out);
             }
             Some(ChoiceEvent::Done { index, finish, usage, .. }) => {
                 self.open(index, &mut out);
-                if let Some(p) = &mut self.parsers[index as usize] {
-                    let pieces = p.finish();
-                    self.send_pieces(index, pieces, None, &mut out);
-                }
+                let parser = &mut self.parsers[index as usize];
+                let (pieces, thought) = (parser.finish(), parser.reasoning_tokens());
+                self.send_pieces(index, pieces, None, &mut out);
                 let made_calls = self.calls[index as usize] > 0;
                 let finish = response::finish_with_calls(response::finish_reason(finish), made_calls);
                 out.push(response::chunk(endpoint, &self.reply.header(true), index, false, None, None, Some(finish)));
                 self.usage.add(&usage, index % self.reply.n == 0);
+                self.usage.add_reasoning(thought);
                 self.finishes.push(finish);
                 self.closed += 1;
                 if self.closed == self.reply.choices {
@@ -705,6 +713,7 @@ impl StreamState {
         let (endpoint, header) = (self.reply.endpoint, self.reply.header(true));
         for piece in pieces {
             match piece {
+                Piece::Reasoning(text) => out.push(response::reasoning_chunk(&header, index, &text)),
                 Piece::Content(text) => {
                     out.push(response::chunk(endpoint, &header, index, false, Some(&text), logprobs.take(), None));
                 }

@@ -18,8 +18,8 @@ use super::{
 use crate::{
     dispatch::ChoiceEvent,
     metrics::Latencies,
+    answer::{AnswerShape, Gathered},
     tenants::{Admission as LimitAdmission, ModelUsage, Turn},
-    tools::CallParsing,
 };
 
 /// The answer being assembled from the choices' events.
@@ -36,8 +36,8 @@ pub(super) struct Reply {
     pub(super) prompt_tokens: u32,
     /// The client asked for logprobs.
     pub(super) logprobs: bool,
-    /// Read tool calls out of each choice's text: the model family and `parallel_tool_calls`.
-    pub(super) tool_parsing: Option<CallParsing>,
+    /// How each choice's text is read: thinking split off, tool calls parsed out.
+    pub(super) answer: AnswerShape,
     /// The request's span: it ends when the reply does (for a stream, when the stream does).
     pub(super) span: Span,
     pub(super) trace_text: bool,
@@ -149,16 +149,20 @@ impl Reply {
 }
 
 impl Reply {
-    /// Every choice's whole text, finish and logprobs, with calls parsed out when the request
-    /// has tools, and the usage summed over the choices. The first failed choice fails it.
+    /// Every choice's whole text, finish and logprobs, read as `Reply::answer` says (thinking
+    /// apart, calls parsed out), and the usage summed over the choices. The first failed choice
+    /// fails it.
     pub(super) async fn collect(
         &mut self,
         mut rx: mpsc::Receiver<ChoiceEvent>,
     ) -> Result<(Vec<ChoiceOut>, UsageOut), ApiError> {
         let logprobs = self.logprobs.then(Vec::new);
+        let mut parsers: Vec<_> = (0..self.choices).map(|_| self.answer.parser()).collect();
+        let mut gathered = vec![Gathered::default(); self.choices];
         let mut texts: Vec<ChoiceOut> = (0..self.choices)
             .map(|_| ChoiceOut {
                 text: String::new(),
+                reasoning: String::new(),
                 finish: "stop",
                 logprobs: logprobs.clone(),
                 tool_calls: Vec::new(),
@@ -175,29 +179,29 @@ impl Reply {
             }
             match event {
                 Some(ChoiceEvent::Started { .. }) => {}
-                Some(ChoiceEvent::Text { index, text, logprobs, .. }) => {
-                    let choice = &mut texts[index as usize];
-                    choice.text.push_str(&text);
-                    if let Some(l) = &mut choice.logprobs {
+                Some(ChoiceEvent::Text { index, text, tokens, logprobs, .. }) => {
+                    let i = index as usize;
+                    gathered[i].add(parsers[i].push(&text, tokens));
+                    if let Some(l) = &mut texts[i].logprobs {
                         l.extend(logprobs);
                     }
                 }
                 Some(ChoiceEvent::Done { index, finish, stop_sequence, usage: u }) => {
-                    texts[index as usize].finish = response::finish_reason(finish);
-                    texts[index as usize].stop_sequence = stop_sequence;
+                    let i = index as usize;
+                    gathered[i].add(parsers[i].finish());
+                    texts[i].finish = response::finish_reason(finish);
+                    texts[i].stop_sequence = stop_sequence;
                     usage.add(&u, index % self.n == 0);
+                    usage.add_reasoning(parsers[i].reasoning_tokens());
                     open -= 1;
                 }
                 Some(ChoiceEvent::Failed { error, .. }) => return Err(error.into()),
                 None => return Err(ApiError::WorkerFailed("a choice ended without an answer".into())),
             }
         }
-        if let Some(parsing) = &self.tool_parsing {
-            for c in &mut texts {
-                let (text, calls) = parsing.split(&c.text);
-                (c.text, c.tool_calls) = (text, calls);
-                c.finish = response::finish_with_calls(c.finish, !c.tool_calls.is_empty());
-            }
+        for (c, g) in texts.iter_mut().zip(gathered) {
+            (c.text, c.reasoning, c.tool_calls) = (g.content, g.reasoning, g.calls);
+            c.finish = response::finish_with_calls(c.finish, !c.tool_calls.is_empty());
         }
         let finishes: Vec<&str> = texts.iter().map(|c| c.finish).collect();
         let all_text = texts.iter().map(|c| c.text.as_str()).collect::<Vec<_>>().join("\n");

@@ -155,6 +155,7 @@ struct RawRequest {
     priority: Option<i64>,
     ignore_eos: Option<bool>,
     stop_token_ids: Option<Vec<u32>>,
+    skip_special_tokens: Option<bool>,
     // vLLM's structured-output extensions (docs/structured-outputs.md).
     guided_json: Option<Value>,
     guided_regex: Option<String>,
@@ -257,6 +258,7 @@ fn validate(endpoint: Endpoint, mut raw: RawRequest) -> Result<Job, ApiError> {
             stop,
             stop_token_ids: raw.stop_token_ids.unwrap_or_default(),
             ignore_eos: raw.ignore_eos.unwrap_or(false),
+            keep_special_tokens: !raw.skip_special_tokens.unwrap_or(true),
             structured,
             top_logprobs,
         },

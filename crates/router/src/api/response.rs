@@ -20,6 +20,13 @@ pub struct UsageOut {
     pub completion_tokens: u32,
     pub total_tokens: u32,
     pub prompt_tokens_details: PromptTokensDetails,
+    pub completion_tokens_details: CompletionTokensDetails,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct CompletionTokensDetails {
+    /// Tokens the model spent thinking (within `completion_tokens`).
+    pub reasoning_tokens: u32,
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
@@ -37,6 +44,11 @@ impl UsageOut {
         }
         self.completion_tokens += usage.completion_tokens;
         self.total_tokens = self.prompt_tokens + self.completion_tokens;
+    }
+
+    /// Add one choice's thinking tokens (already counted in its completion tokens).
+    pub fn add_reasoning(&mut self, tokens: u32) {
+        self.completion_tokens_details.reasoning_tokens += tokens;
     }
 }
 
@@ -75,6 +87,8 @@ struct ChatDelta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     tool_calls: Option<Vec<Value>>,
 }
 
@@ -99,7 +113,7 @@ pub fn chunk(
 ) -> String {
     let json = match endpoint {
         Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses => {
-            let delta = ChatDelta { role: role.then_some("assistant"), content: text, tool_calls: None };
+            let delta = ChatDelta { role: role.then_some("assistant"), content: text, reasoning_content: None, tool_calls: None };
             let choice = ChatChunkChoice { index, delta, logprobs, finish_reason: finish };
             serde_json::to_string(&Chunk { header, choices: [choice], usage: None })
         }
@@ -115,7 +129,7 @@ pub fn chunk(
 /// the choice (OpenAI's `delta.tool_calls[{index, id, type, function: {name, arguments}}]`).
 pub fn tool_calls_chunk(header: &Header<'_>, index: u32, first: usize, calls: &[ParsedCall]) -> String {
     let tool_calls = calls.iter().enumerate().map(|(k, c)| tools::call_json(c, Some(first + k))).collect();
-    let delta = ChatDelta { role: None, content: None, tool_calls: Some(tool_calls) };
+    let delta = ChatDelta { role: None, content: None, reasoning_content: None, tool_calls: Some(tool_calls) };
     let choice = ChatChunkChoice { index, delta, logprobs: None, finish_reason: None };
     serde_json::to_string(&Chunk { header, choices: [choice], usage: None }).expect("chunks serialize")
 }
@@ -124,7 +138,15 @@ pub fn tool_calls_chunk(header: &Header<'_>, index: u32, first: usize, calls: &[
 /// the call, its id and name came with its first chunk).
 pub fn tool_arguments_chunk(header: &Header<'_>, index: u32, call: usize, fragment: &str) -> String {
     let tool_calls = vec![json!({"index": call, "function": {"arguments": fragment}})];
-    let delta = ChatDelta { role: None, content: None, tool_calls: Some(tool_calls) };
+    let delta = ChatDelta { role: None, content: None, reasoning_content: None, tool_calls: Some(tool_calls) };
+    let choice = ChatChunkChoice { index, delta, logprobs: None, finish_reason: None };
+    serde_json::to_string(&Chunk { header, choices: [choice], usage: None }).expect("chunks serialize")
+}
+
+/// A chat chunk carrying the next of choice `index`'s thinking, as `delta.reasoning_content`
+/// (DeepSeek's name, which SGLang and most clients read).
+pub fn reasoning_chunk(header: &Header<'_>, index: u32, text: &str) -> String {
+    let delta = ChatDelta { role: None, content: None, reasoning_content: Some(text), tool_calls: None };
     let choice = ChatChunkChoice { index, delta, logprobs: None, finish_reason: None };
     serde_json::to_string(&Chunk { header, choices: [choice], usage: None }).expect("chunks serialize")
 }
@@ -173,6 +195,8 @@ pub fn logprobs(endpoint: Endpoint, entries: &[pb::TokenLogprobs], offset: &mut 
 /// One choice of a whole answer.
 pub struct ChoiceOut {
     pub text: String,
+    /// The model's thinking, apart from `text` (empty for a model that does not think).
+    pub reasoning: String,
     pub finish: &'static str,
     /// The choice's logprobs entries, when the request asked for them.
     pub logprobs: Option<Vec<pb::TokenLogprobs>>,
@@ -201,6 +225,8 @@ struct Message<'a> {
     /// Null when the answer is only tool calls, as OpenAI's is.
     content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     tool_calls: Option<Vec<Value>>,
 }
 
@@ -217,6 +243,7 @@ pub fn completion(endpoint: Endpoint, header: &Header<'_>, choices: &[ChoiceOut]
                     message: Message {
                         role: "assistant",
                         content: (!c.text.is_empty() || c.tool_calls.is_empty()).then_some(c.text.as_str()),
+                        reasoning_content: (!c.reasoning.is_empty()).then_some(c.reasoning.as_str()),
                         tool_calls: (!c.tool_calls.is_empty())
                             .then(|| c.tool_calls.iter().map(|t| tools::call_json(t, None)).collect()),
                     },

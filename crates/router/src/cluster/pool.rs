@@ -12,7 +12,7 @@ use bellows_proto::worker::v1 as pb;
 use super::link::WorkerLink;
 use super::prefix_index::PrefixIndex;
 use super::ring::Ring;
-use crate::tokenize::PromptTokenizer;
+use crate::{answer::thinking::Thinking, tokenize::PromptTokenizer};
 
 /// The pool's workers, sorted by id, and their ring (rebuilt as they change).
 #[derive(Default)]
@@ -30,6 +30,8 @@ impl Members {
 pub struct ModelPool {
     pub name: String,
     pub tokenizer: Arc<PromptTokenizer>,
+    /// The model's thinking tags, when its template thinks.
+    pub thinking: Option<Thinking>,
     pub block_size: usize,
     pub vocab_size: u32,
     workers: RwLock<Members>,
@@ -42,9 +44,11 @@ pub struct ModelPool {
 impl ModelPool {
     pub(super) fn new(info: &pb::ModelInfoResponse) -> anyhow::Result<Self> {
         anyhow::ensure!(info.kv_block_size > 0, "worker reports a KV block size of 0");
+        let tokenizer = PromptTokenizer::from_model_info(info)?;
         Ok(ModelPool {
             name: info.model_id.clone(),
-            tokenizer: Arc::new(PromptTokenizer::from_model_info(info)?),
+            thinking: Thinking::of(&tokenizer),
+            tokenizer: Arc::new(tokenizer),
             block_size: info.kv_block_size as usize,
             vocab_size: info.vocab_size,
             workers: RwLock::default(),

@@ -11,7 +11,7 @@ pub mod prompt;
 use bellows_common::constraint::{Constraint, JsonBounds, embedded_schema};
 use serde_json::{Value, json};
 
-pub use parser::{Family, ParsedCall, Piece, ToolCallParser};
+pub use parser::{Family, ParsedCall, ToolCallParser};
 
 /// One function the model may call.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,24 +56,6 @@ impl CallParsing {
 
     pub fn parser(&self) -> ToolCallParser {
         ToolCallParser::new(self.family, self.parallel, self.names.clone())
-    }
-
-    /// A whole answer's text split into its content and its calls.
-    pub fn split(&self, text: &str) -> (String, Vec<ParsedCall>) {
-        let mut parser = self.parser();
-        let mut pieces = parser.push(text);
-        pieces.extend(parser.finish());
-        let (mut content, mut calls) = (String::new(), Vec::new());
-        for p in pieces {
-            match p {
-                Piece::Content(t) => content.push_str(&t),
-                Piece::Call(c) => calls.push(c),
-                Piece::CallStarted { name } => calls.push(ParsedCall { name, arguments: String::new() }),
-                Piece::Arguments(fragment) => calls.last_mut().expect("a call started").arguments.push_str(&fragment),
-                Piece::CallEnded => {}
-            }
-        }
-        (content, calls)
     }
 }
 

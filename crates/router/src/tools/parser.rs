@@ -18,6 +18,9 @@ use std::sync::Arc;
 
 use serde_json::value::RawValue;
 
+pub use crate::answer::piece::ParsedCall;
+use crate::answer::piece::Piece;
+
 /// How a model family writes its calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
@@ -43,30 +46,13 @@ impl Family {
             _ => Family::Hermes,
         }
     }
-}
 
-/// One complete call, as the model wrote it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ParsedCall {
-    pub name: String,
-    /// The arguments as compact JSON text (OpenAI's `function.arguments`).
-    pub arguments: String,
-}
-
-/// What a piece of the stream turned out to be.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Piece {
-    Content(String),
-    /// A complete call, parsed whole.
-    Call(ParsedCall),
-    /// A streamed call begins: its arguments follow as [`Piece::Arguments`], then
-    /// [`Piece::CallEnded`].
-    CallStarted {
-        name: String,
-    },
-    /// The next fragment of the streaming call's arguments (compact JSON text).
-    Arguments(String),
-    CallEnded,
+    /// Its calls start with a control token (`[TOOL_CALLS]`, `<|python_tag|>`) that a worker
+    /// prints as nothing unless the request keeps control tokens: without them, auto mode would
+    /// never see a call start.
+    pub fn opens_with_a_control_token(self) -> bool {
+        matches!(self, Family::Mistral | Family::Llama3Json)
+    }
 }
 
 /// Where the parser is inside a tagged Hermes call.
@@ -537,6 +523,7 @@ mod tests {
                     assert!(open, "only an open call ends");
                     open = false;
                 }
+                Piece::Reasoning(_) => panic!("the call parser sent reasoning"),
             }
         }
         assert!(!open, "every streamed call ends");

@@ -249,6 +249,7 @@ pub fn engine_request(r: pb::GenerateRequest) -> Result<GenerateRequest, NodeErr
         progress: true,
         resumed_tokens: r.resumed_tokens as usize,
         priority,
+        keep_special_tokens: r.keep_special_tokens,
     })
 }
 

@@ -102,6 +102,9 @@ pub struct ModelTokenizer {
     /// `token_bytes(i)` is `bytes[offsets[i]..offsets[i + 1]]` (one allocation for the table).
     bytes: Vec<u8>,
     offsets: Vec<u32>,
+    /// The spelling of each token that prints nothing (control and unused tokens), for
+    /// requests that keep them.
+    specials: std::collections::HashMap<u32, Box<[u8]>>,
     bos: Option<u32>,
     eos_ids: Vec<u32>,
     template: Option<ChatTemplate>,
@@ -250,6 +253,13 @@ impl ModelTokenizer {
             None => None,
         };
 
+        // Byte tokens (`<0x0A>`) print their byte, never their spelling.
+        let is_byte = |t: &str| t.len() == 6 && t.starts_with("<0x") && t.ends_with('>');
+        let specials = (0..n)
+            .filter(|&i| table[i].is_empty())
+            .filter_map(|i| Some((i as u32, text_of[i].as_deref().filter(|t| !t.is_empty() && !is_byte(t))?)))
+            .map(|(i, t)| (i, t.as_bytes().into()))
+            .collect();
         let mut bytes = Vec::with_capacity(table.iter().map(Vec::len).sum());
         let mut offsets = Vec::with_capacity(n + 1);
         offsets.push(0u32);
@@ -257,7 +267,7 @@ impl ModelTokenizer {
             bytes.extend_from_slice(t);
             offsets.push(u32::try_from(bytes.len()).context("token table over 4 GiB")?);
         }
-        Ok(Self { inner, bytes, offsets, bos, eos_ids, template })
+        Ok(Self { inner, bytes, offsets, specials, bos, eos_ids, template })
     }
 
     /// Control tokens in the text (e.g. "<|im_start|>") become their ids; `add_special_tokens`
@@ -294,6 +304,12 @@ impl ModelTokenizer {
             return &[];
         }
         &self.bytes[self.offsets[i] as usize..self.offsets[i + 1] as usize]
+    }
+
+    /// The spelling of a token that prints nothing (`[TOOL_CALLS]`, `<|im_start|>`); empty for
+    /// any other token.
+    pub fn special_text(&self, id: u32) -> &[u8] {
+        self.specials.get(&id).map_or(&[], |t| t)
     }
 
     pub fn bos_id(&self) -> Option<u32> {
@@ -429,6 +445,15 @@ mod tests {
         }
         assert_eq!(t.token_bytes(t.vocab_size() as u32), b"");
         assert_eq!(t.token_bytes(u32::MAX), b"");
+    }
+
+    #[test]
+    fn a_control_token_keeps_its_spelling_for_requests_that_write_it_out() {
+        let t = ModelTokenizer::from_gguf(&tiny_gguf("smollm", false)).unwrap();
+        assert_eq!(t.special_text(1), b"<|im_start|>");
+        assert_eq!(t.special_text(3), b"", "a user-defined token prints itself already");
+        assert_eq!(t.special_text(4 + b'a' as u32), b"", "so does text");
+        assert_eq!(t.special_text(u32::MAX), b"");
     }
 
     #[test]

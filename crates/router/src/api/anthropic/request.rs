@@ -5,12 +5,12 @@
 //! The conversation becomes the chat the model's template renders: `system` first, each
 //! `tool_use` block an assistant tool call, each `tool_result` block a tool turn answering it.
 //! What the router cannot honour is refused, never dropped: images and documents, a final
-//! assistant turn (a prefill), extended thinking.
+//! assistant turn (a prefill). `thinking` switches a template's thinking on or off.
 
 use std::collections::HashSet;
 
 use bellows_common::{
-    chat_template::ChatMessage,
+    chat_template::{ChatMessage, TemplateKwargs},
     constraint::{Constraint, JsonBounds},
     priority::Priority,
     sampling_limits as limits,
@@ -81,11 +81,7 @@ fn validate(raw: RawMessages, purpose: Purpose) -> Result<Job, ApiError> {
         (None, Purpose::Generate) => return Err(ApiError::invalid("max_tokens", "max_tokens: Field required")),
         (m, _) => m,
     };
-    if let Some(thinking) = &raw.thinking
-        && thinking.get("type").and_then(Value::as_str) != Some("disabled")
-    {
-        return Err(ApiError::invalid("thinking", "thinking: extended thinking is not supported by this gateway yet"));
-    }
+    let chat_template_kwargs = thinking(raw.thinking.as_ref(), max_tokens)?;
     let mut messages = system(raw.system)?;
     messages.extend(conversation(raw.messages)?);
     let tools = tools(raw.tools, raw.tool_choice)?;
@@ -116,10 +112,44 @@ fn validate(raw: RawMessages, purpose: Purpose) -> Result<Job, ApiError> {
         user: raw.metadata.and_then(|m| m.user_id),
         tools,
         priority: service_tier(raw.service_tier.as_deref())?,
-        chat_template_kwargs: None,
+        chat_template_kwargs,
         cache_salt: None,
         json_bounds: JsonBounds::Bounded,
     })
+}
+
+/// `thinking`: whether a model whose template can think or not (Qwen3's `enable_thinking`)
+/// thinks. A model that always thinks (DeepSeek-R1) does regardless, and one that never does
+/// ignores it. `budget_tokens` is checked as Anthropic checks it, but not enforced: the answer
+/// and the thinking share `max_tokens`.
+fn thinking(raw: Option<&Value>, max_tokens: Option<u32>) -> Result<Option<TemplateKwargs>, ApiError> {
+    let Some(raw) = raw else { return Ok(None) };
+    let on = match raw.get("type").and_then(Value::as_str) {
+        Some("disabled") => false,
+        Some("adaptive") => true,
+        Some("enabled") => {
+            let budget = raw.get("budget_tokens").and_then(Value::as_u64).ok_or_else(|| {
+                ApiError::invalid("thinking.budget_tokens", "thinking.budget_tokens: Field required (an integer)")
+            })?;
+            if budget < 1024 {
+                return Err(ApiError::invalid("thinking.budget_tokens", "thinking.budget_tokens: must be at least 1024"));
+            }
+            if max_tokens.is_some_and(|m| budget >= u64::from(m)) {
+                return Err(ApiError::invalid(
+                    "thinking.budget_tokens",
+                    "thinking.budget_tokens: must be less than max_tokens",
+                ));
+            }
+            true
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "thinking.type",
+                "thinking.type: must be one of 'enabled', 'disabled' or 'adaptive'",
+            ));
+        }
+    };
+    Ok(Some(TemplateKwargs::from_iter([("enable_thinking".to_string(), Value::Bool(on))])))
 }
 
 /// `system`: a string or a list of text blocks, the conversation's first turn.
@@ -442,7 +472,7 @@ mod tests {
     }
 
     #[test]
-    fn images_prefills_thinking_and_unanswered_tool_results_are_refused_naming_the_field() {
+    fn images_prefills_and_unanswered_tool_results_are_refused_naming_the_field() {
         let with = |messages: Value| {
             let mut b = base();
             b["messages"] = messages;
@@ -457,9 +487,24 @@ mod tests {
         assert_eq!(with(orphan), Err(Some("messages[0].content[0].tool_use_id".into())));
         let unknown = json!([{"role": "user", "content": [{"type": "video"}]}]);
         assert_eq!(with(unknown), Err(Some("messages[0].content[0]".into())));
-        let mut thinking = base();
-        thinking["thinking"] = json!({"type": "enabled", "budget_tokens": 2048});
-        assert_eq!(param_of(parse_json(thinking).unwrap_err()).as_deref(), Some("thinking"));
+    }
+
+    #[test]
+    fn thinking_turns_the_templates_switch_and_its_budget_is_checked_as_anthropic_checks_it() {
+        let with = |thinking: Value| {
+            let mut b = base();
+            b["max_tokens"] = json!(4096);
+            b["thinking"] = thinking;
+            parse_json(b).map(|j| j.chat_template_kwargs).map_err(param_of)
+        };
+        let on = with(json!({"type": "enabled", "budget_tokens": 2048})).unwrap().unwrap();
+        assert_eq!(on["enable_thinking"], json!(true));
+        let off = with(json!({"type": "disabled"})).unwrap().unwrap();
+        assert_eq!(off["enable_thinking"], json!(false));
+        assert_eq!(with(json!({"type": "enabled", "budget_tokens": 100})), Err(Some("thinking.budget_tokens".into())));
+        assert_eq!(with(json!({"type": "enabled", "budget_tokens": 5000})), Err(Some("thinking.budget_tokens".into())));
+        assert_eq!(with(json!({"type": "enabled"})), Err(Some("thinking.budget_tokens".into())));
+        assert_eq!(with(json!({"type": "loud"})), Err(Some("thinking.type".into())));
     }
 
     #[test]

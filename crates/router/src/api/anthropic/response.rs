@@ -26,8 +26,8 @@ use crate::{
         reply::{Reply, Timing},
         response::{self, ChoiceOut, UsageOut},
     },
+    answer::{AnswerParser, ParsedCall, Piece},
     dispatch::ChoiceEvent,
-    tools::{CallParsing, ParsedCall, Piece, ToolCallParser},
 };
 
 /// An error as Anthropic's clients read it: the status (and Retry-After) the error always has,
@@ -89,6 +89,12 @@ fn usage(u: &UsageOut) -> Value {
     })
 }
 
+/// Thinking as Anthropic's block. Its `signature` is empty: this gateway does not sign thinking,
+/// and thinking sent back in a later turn is left out of the prompt, as the templates do.
+fn thinking_block(thinking: &str) -> Value {
+    json!({"type": "thinking", "thinking": thinking, "signature": ""})
+}
+
 fn tool_use_block(call: &ParsedCall) -> Value {
     let input: Value = serde_json::from_str(&call.arguments).unwrap_or_else(|_| json!({}));
     json!({"type": "tool_use", "id": tool_use_id(), "name": call.name, "input": input})
@@ -108,7 +114,10 @@ pub async fn whole(mut reply: Reply, rx: mpsc::Receiver<ChoiceEvent>) -> Result<
 
 fn message(reply: &Reply, choice: &ChoiceOut, u: &UsageOut) -> Value {
     let mut content = Vec::new();
-    if !choice.text.is_empty() || choice.tool_calls.is_empty() {
+    if !choice.reasoning.is_empty() {
+        content.push(thinking_block(&choice.reasoning));
+    }
+    if !choice.text.is_empty() || (choice.tool_calls.is_empty() && choice.reasoning.is_empty()) {
         content.push(json!({"type": "text", "text": choice.text}));
     }
     content.extend(choice.tool_calls.iter().map(tool_use_block));
@@ -130,13 +139,14 @@ fn message(reply: &Reply, choice: &ChoiceOut, u: &UsageOut) -> Value {
 pub async fn stream(mut reply: Reply, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
     let mut timing = Timing { streamed: true, ..Timing::default() };
     let first = reply.first_output(&mut rx, &mut timing).await?;
-    let parser = reply.tool_parsing.as_ref().map(CallParsing::parser);
+    let parser = reply.answer.parser();
     let state = MessageStream {
         reply,
         rx,
         timing,
         pending: Some(first),
         parser,
+        thinking_block: None,
         text_block: None,
         call_block: None,
         blocks: 0,
@@ -152,8 +162,10 @@ struct MessageStream {
     rx: mpsc::Receiver<ChoiceEvent>,
     timing: Timing,
     pending: Option<ChoiceEvent>,
-    /// With tools: reads calls out of the text as it comes.
-    parser: Option<ToolCallParser>,
+    /// Reads thinking and calls out of the text as it comes.
+    parser: AnswerParser,
+    /// The index of the thinking block open now (thinking arrives into it until the answer).
+    thinking_block: Option<u32>,
     /// The index of the text block open now (text arrives into it until a call or the end).
     text_block: Option<u32>,
     /// The index of the `tool_use` block whose arguments are streaming.
@@ -199,18 +211,14 @@ impl MessageStream {
         }
         match event {
             Some(ChoiceEvent::Started { .. }) => {}
-            Some(ChoiceEvent::Text { text, .. }) => {
-                let pieces = match &mut self.parser {
-                    Some(p) => p.push(&text),
-                    None => vec![Piece::Content(text)],
-                };
+            Some(ChoiceEvent::Text { text, tokens, .. }) => {
+                let pieces = self.parser.push(&text, tokens);
                 self.send_pieces(pieces, &mut out);
             }
             Some(ChoiceEvent::Done { finish, stop_sequence, usage: u, .. }) => {
-                if let Some(p) = &mut self.parser {
-                    let pieces = p.finish();
-                    self.send_pieces(pieces, &mut out);
-                }
+                let pieces = self.parser.finish();
+                self.send_pieces(pieces, &mut out);
+                self.close_thinking(&mut out);
                 self.close_text(&mut out);
                 let finish = response::finish_with_calls(response::finish_reason(finish), self.made_calls);
                 let mut total = UsageOut::default();
@@ -244,14 +252,23 @@ impl MessageStream {
         ("message_start", json!({"type": "message_start", "message": message}))
     }
 
-    /// Text goes into the open text block (opened as needed); a call closes it and is a
-    /// `tool_use` block of its own, its arguments in `input_json_delta`s as they stream (one
-    /// for a call parsed whole).
+    /// Thinking goes into a thinking block, text into the open text block (each opened as
+    /// needed, and the other closed); a call closes both and is a `tool_use` block of its own,
+    /// its arguments in `input_json_delta`s as they stream (one for a call parsed whole).
     fn send_pieces(&mut self, pieces: Vec<Piece>, out: &mut Vec<Named>) {
         for piece in pieces {
             match piece {
+                Piece::Reasoning(thinking) => {
+                    let index = self.open_thinking(out);
+                    let delta = json!({"type": "thinking_delta", "thinking": thinking});
+                    out.push((
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": index, "delta": delta}),
+                    ));
+                }
                 Piece::Content(text) if text.is_empty() => {}
                 Piece::Content(text) => {
+                    self.close_thinking(out);
                     let index = self.open_text(out);
                     let delta = json!({"type": "text_delta", "text": text});
                     out.push((
@@ -272,6 +289,7 @@ impl MessageStream {
     }
 
     fn start_call(&mut self, name: &str, out: &mut Vec<Named>) {
+        self.close_thinking(out);
         self.close_text(out);
         let index = self.next_block();
         self.call_block = Some(index);
@@ -298,6 +316,29 @@ impl MessageStream {
     fn next_block(&mut self) -> u32 {
         self.blocks += 1;
         self.blocks - 1
+    }
+
+    fn open_thinking(&mut self, out: &mut Vec<Named>) -> u32 {
+        if let Some(index) = self.thinking_block {
+            return index;
+        }
+        self.close_text(out);
+        let index = self.next_block();
+        self.thinking_block = Some(index);
+        out.push((
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": thinking_block("")}),
+        ));
+        index
+    }
+
+    /// A thinking block ends with its signature, as Anthropic's do (empty: see `thinking_block`).
+    fn close_thinking(&mut self, out: &mut Vec<Named>) {
+        if let Some(index) = self.thinking_block.take() {
+            let delta = json!({"type": "signature_delta", "signature": ""});
+            out.push(("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": delta})));
+            out.push(("content_block_stop", json!({"type": "content_block_stop", "index": index})));
+        }
     }
 
     fn open_text(&mut self, out: &mut Vec<Named>) -> u32 {

@@ -9,7 +9,11 @@
 
 use std::collections::HashSet;
 
-use bellows_common::{chat_template::ChatMessage, constraint::JsonBounds, sampling_limits as limits};
+use bellows_common::{
+    chat_template::{ChatMessage, TemplateKwargs},
+    constraint::JsonBounds,
+    sampling_limits as limits,
+};
 use bellows_proto::worker::v1 as pb;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -104,6 +108,7 @@ pub(super) fn parse(raw: RawResponses, previous: Option<Stored>) -> Result<(Job,
         top_p: in_range(raw.top_p, "top_p", limits::TOP_P)?,
         ..Default::default()
     };
+    let chat_template_kwargs = reasoning(raw.reasoning.as_ref())?;
     let mut echo = Map::new();
     echo.insert("instructions".into(), json!(raw.instructions));
     echo.insert("metadata".into(), Value::Object(metadata));
@@ -130,7 +135,7 @@ pub(super) fn parse(raw: RawResponses, previous: Option<Stored>) -> Result<(Job,
         user: raw.user,
         tools,
         priority: request::priority(raw.service_tier.as_deref(), None)?,
-        chat_template_kwargs: None,
+        chat_template_kwargs,
         cache_salt: None,
         json_bounds: JsonBounds::Bounded,
     };
@@ -380,6 +385,24 @@ fn text_format(text: Option<&Value>) -> Result<Option<Structured>, ApiError> {
     Ok(constraint.map(|c| Structured { constraint: c, param: "text.format" }))
 }
 
+/// `reasoning.effort`: `none` turns a template's thinking off (Qwen3's `enable_thinking`), any
+/// other effort on; a model that always thinks (DeepSeek-R1) does regardless. The effort is not
+/// a budget here: thinking and answer share `max_output_tokens`.
+fn reasoning(raw: Option<&Value>) -> Result<Option<TemplateKwargs>, ApiError> {
+    let Some(effort) = raw.and_then(|r| r.get("effort")).filter(|e| !e.is_null()) else { return Ok(None) };
+    let on = match effort.as_str() {
+        Some("none") => false,
+        Some("minimal" | "low" | "medium" | "high" | "xhigh") => true,
+        _ => {
+            return Err(ApiError::invalid(
+                "reasoning.effort",
+                format!("reasoning.effort: {effort} is not one of 'none', 'minimal', 'low', 'medium', 'high', 'xhigh'"),
+            ));
+        }
+    };
+    Ok(Some(TemplateKwargs::from_iter([("enable_thinking".to_string(), Value::Bool(on))])))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -431,6 +454,19 @@ mod tests {
         assert_eq!((m[2].role.as_str(), m[2].tool_call_id.as_deref()), ("tool", Some("call_1")));
         assert_eq!(turn.context.len(), 3);
         assert_eq!(turn.input_items.len(), 1);
+    }
+
+    #[test]
+    fn reasoning_effort_none_turns_thinking_off_and_an_unknown_effort_is_refused() {
+        let kwargs = |reasoning: Value| {
+            parse_json(json!({"model": "m", "input": "hi", "reasoning": reasoning}), None)
+                .map(|(job, _)| job.chat_template_kwargs)
+                .map_err(param_of)
+        };
+        assert_eq!(kwargs(json!({"effort": "none"})).unwrap().unwrap()["enable_thinking"], json!(false));
+        assert_eq!(kwargs(json!({"effort": "high"})).unwrap().unwrap()["enable_thinking"], json!(true));
+        assert_eq!(kwargs(json!({"summary": "auto"})), Ok(None), "no effort: the template decides");
+        assert_eq!(kwargs(json!({"effort": "max"})), Err(Some("reasoning.effort".into())));
     }
 
     #[test]

@@ -28,8 +28,8 @@ use crate::{
         reply::{Reply, Timing},
         response::{self, ChoiceOut, UsageOut},
     },
+    answer::{AnswerParser, ParsedCall, Piece},
     dispatch::ChoiceEvent,
-    tools::{CallParsing, ParsedCall, Piece, ToolCallParser},
 };
 
 fn usage(u: &UsageOut) -> Value {
@@ -37,7 +37,7 @@ fn usage(u: &UsageOut) -> Value {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": u.completion_tokens_details.reasoning_tokens},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     })
 }
@@ -71,6 +71,17 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
 
 fn text_part(text: &str) -> Value {
     json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+/// Thinking as a `reasoning` item: its text as `reasoning_text` content, as open-weight models'
+/// is (OpenAI's own models give a `summary` instead, left empty here).
+fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
+    let content = if status == "in_progress" { json!([]) } else { json!([reasoning_part(text)]) };
+    json!({"type": "reasoning", "id": id, "summary": [], "content": content, "status": status})
+}
+
+fn reasoning_part(text: &str) -> Value {
+    json!({"type": "reasoning_text", "text": text})
 }
 
 fn call_item(id: &str, call_id: &str, call: &ParsedCall, status: &str) -> Value {
@@ -109,7 +120,10 @@ pub async fn whole(mut reply: Reply, turn: Turn, rx: mpsc::Receiver<ChoiceEvent>
 
 fn output_items(choice: &ChoiceOut) -> Vec<Value> {
     let mut output = Vec::new();
-    if !choice.text.is_empty() || choice.tool_calls.is_empty() {
+    if !choice.reasoning.is_empty() {
+        output.push(reasoning_item(&new_item_id("rs"), &choice.reasoning, "completed"));
+    }
+    if !choice.text.is_empty() || (choice.tool_calls.is_empty() && choice.reasoning.is_empty()) {
         output.push(message_item(&new_item_id("msg"), &choice.text, "completed"));
     }
     for call in &choice.tool_calls {
@@ -123,7 +137,7 @@ fn output_items(choice: &ChoiceOut) -> Vec<Value> {
 pub async fn stream(mut reply: Reply, turn: Turn, mut rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
     let mut timing = Timing { streamed: true, ..Timing::default() };
     let first = reply.first_output(&mut rx, &mut timing).await?;
-    let parser = reply.tool_parsing.as_ref().map(CallParsing::parser);
+    let parser = reply.answer.parser();
     let state = ResponseStream {
         reply,
         turn,
@@ -132,6 +146,7 @@ pub async fn stream(mut reply: Reply, turn: Turn, mut rx: mpsc::Receiver<ChoiceE
         pending: Some(first),
         parser,
         output: Vec::new(),
+        reasoning: None,
         text: None,
         call: None,
         sequence: 0,
@@ -147,9 +162,11 @@ struct ResponseStream {
     rx: mpsc::Receiver<ChoiceEvent>,
     timing: Timing,
     pending: Option<ChoiceEvent>,
-    parser: Option<ToolCallParser>,
+    parser: AnswerParser,
     /// The finished output items so far.
     output: Vec<Value>,
+    /// The reasoning item open now: its id and its text so far.
+    reasoning: Option<(String, String)>,
     /// The message item open now: its id and its text so far.
     text: Option<(String, String)>,
     /// The function call item whose arguments are streaming.
@@ -239,18 +256,14 @@ impl ResponseStream {
         }
         match event {
             Some(ChoiceEvent::Started { .. }) => {}
-            Some(ChoiceEvent::Text { text, .. }) => {
-                let pieces = match &mut self.parser {
-                    Some(p) => p.push(&text),
-                    None => vec![Piece::Content(text)],
-                };
+            Some(ChoiceEvent::Text { text, tokens, .. }) => {
+                let pieces = self.parser.push(&text, tokens);
                 self.send_pieces(pieces, &mut out);
             }
             Some(ChoiceEvent::Done { finish, usage: u, .. }) => {
-                if let Some(p) = &mut self.parser {
-                    let pieces = p.finish();
-                    self.send_pieces(pieces, &mut out);
-                }
+                let pieces = self.parser.finish();
+                self.send_pieces(pieces, &mut out);
+                self.close_reasoning(&mut out);
                 let made_calls = self.output.iter().any(|i| i["type"] == "function_call");
                 if self.output.is_empty() {
                     self.open_text(&mut out);
@@ -259,6 +272,7 @@ impl ResponseStream {
                 let finish = response::finish_with_calls(response::finish_reason(finish), made_calls);
                 let mut total = UsageOut::default();
                 total.add(&u, true);
+                total.add_reasoning(self.parser.reasoning_tokens());
                 self.reply.record(&total, &[finish], None);
                 self.reply.finished();
                 let response = object(&self.reply, &self.turn, status_of(finish), &self.output, Some(&total));
@@ -274,14 +288,16 @@ impl ResponseStream {
         Step { events: out, finished }
     }
 
-    /// Text goes into the open message item (opened as needed); a call closes it and is a
-    /// `function_call` item of its own, its arguments in deltas as they stream (one for a call
-    /// parsed whole).
+    /// Thinking goes into a reasoning item, text into the open message item (each opened as
+    /// needed); a call closes both and is a `function_call` item of its own, its arguments in
+    /// deltas as they stream (one for a call parsed whole).
     fn send_pieces(&mut self, pieces: Vec<Piece>, out: &mut Vec<Sent>) {
         for piece in pieces {
             match piece {
+                Piece::Reasoning(text) => self.reasoning_delta(&text, out),
                 Piece::Content(text) if text.is_empty() => {}
                 Piece::Content(text) => {
+                    self.close_reasoning(out);
                     let index = self.open_text(out);
                     let (id, so_far) = self.text.as_mut().expect("an open message");
                     so_far.push_str(&text);
@@ -313,6 +329,7 @@ impl ResponseStream {
 
     /// A `function_call` item opens: it closes the message item, if one is open.
     fn start_call(&mut self, name: String, out: &mut Vec<Sent>) {
+        self.close_reasoning(out);
         self.close_text(out);
         let call = OpenCall {
             id: new_item_id("fc"),
@@ -341,6 +358,43 @@ impl ResponseStream {
         let e = self.event("response.function_call_arguments.done", done);
         out.push(e);
         let item = call_item(&id, &call_id, &call, "completed");
+        let e = self.event("response.output_item.done", json!({"output_index": index, "item": item}));
+        out.push(e);
+        self.output.push(item);
+    }
+
+    /// The next of the thinking, into the open reasoning item (opened, and any message item
+    /// closed, if none is).
+    fn reasoning_delta(&mut self, text: &str, out: &mut Vec<Sent>) {
+        let index = self.output.len();
+        if self.reasoning.is_none() {
+            self.close_text(out);
+            let id = new_item_id("rs");
+            let item = reasoning_item(&id, "", "in_progress");
+            let e = self.event("response.output_item.added", json!({"output_index": index, "item": item}));
+            out.push(e);
+            let part = json!({"output_index": index, "item_id": id, "content_index": 0, "part": reasoning_part("")});
+            let e = self.event("response.content_part.added", part);
+            out.push(e);
+            self.reasoning = Some((id, String::new()));
+        }
+        let (id, so_far) = self.reasoning.as_mut().expect("an open reasoning item");
+        so_far.push_str(text);
+        let delta = json!({"output_index": index, "item_id": id, "content_index": 0, "delta": text});
+        let e = self.event("response.reasoning_text.delta", delta);
+        out.push(e);
+    }
+
+    fn close_reasoning(&mut self, out: &mut Vec<Sent>) {
+        let Some((id, text)) = self.reasoning.take() else { return };
+        let index = self.output.len();
+        let done = json!({"output_index": index, "item_id": id, "content_index": 0, "text": text});
+        let e = self.event("response.reasoning_text.done", done);
+        out.push(e);
+        let part = json!({"output_index": index, "item_id": id, "content_index": 0, "part": reasoning_part(&text)});
+        let e = self.event("response.content_part.done", part);
+        out.push(e);
+        let item = reasoning_item(&id, &text, "completed");
         let e = self.event("response.output_item.done", json!({"output_index": index, "item": item}));
         out.push(e);
         self.output.push(item);
