@@ -37,6 +37,25 @@ async fn assert_router_tokenizes_like_llama_cpp(router: &Router, model: &str, fi
 }
 
 #[tokio::test]
+async fn control_tokens_the_model_generates_are_written_out_only_when_asked() {
+    let (_worker, router) = real_cluster().await;
+    // `<|im_start|>` (id 1) forced by the bias: a control token, which prints nothing by default.
+    let ask = |skip: Option<bool>| {
+        let mut body =
+            json!({"model": "smollm2", "prompt": "Hi", "max_tokens": 3, "temperature": 0, "logit_bias": {"1": 100}});
+        if let Some(skip) = skip {
+            body["skip_special_tokens"] = json!(skip);
+        }
+        body
+    };
+    let (_, _, hidden) = router.post("/v1/completions", &ask(None)).await;
+    assert_eq!(hidden["choices"][0]["text"], "", "{hidden}");
+    assert_eq!(hidden["usage"]["completion_tokens"], 3, "{hidden}");
+    let (_, _, kept) = router.post("/v1/completions", &ask(Some(false))).await;
+    assert_eq!(kept["choices"][0]["text"], "<|im_start|><|im_start|><|im_start|>", "{kept}");
+}
+
+#[tokio::test]
 async fn the_router_tokenizes_text_exactly_like_llama_cpp_and_official_clients_work() {
     let (_worker, router) = real_cluster().await;
 
@@ -162,16 +181,65 @@ async fn every_answer_to_a_short_schema_ends_by_itself_within_a_few_times_its_sh
     assert!(by_length.is_empty(), "{} of {total} answers did not end:\n{}", by_length.len(), by_length.join("\n"));
 }
 
-#[tokio::test]
-async fn a_gemma3_worker_serves_through_the_router_which_tokenizes_its_sentencepiece_vocabulary_like_llama_cpp() {
-    // Gemma 3's tokenizer.json (262,144 pieces and their merges) is far over gRPC's default 4 MiB
-    // message limit: the router must still take its ModelInfo.
+async fn gemma3_cluster() -> (Worker, Router) {
     let home = std::env::var("HOME").unwrap();
     let dir = std::env::var("BELLOWS_MODEL_DIR").unwrap_or_else(|_| format!("{home}/.cache/bellows/models"));
     let model = format!("{dir}/gemma-3-270m-q4_k_m.gguf");
     assert!(std::path::Path::new(&model).exists(), "{model} is missing: run scripts/fetch-model.sh gemma3");
     let worker = Worker::start(&["--engine", "gguf", "--model", &model, "--model-id", "gemma3"]).await;
     let router = Router::with_workers(&[&worker], &[] as &[&str]).await;
+    (worker, router)
+}
+
+#[tokio::test]
+async fn a_real_model_in_auto_mode_writes_a_call_that_comes_back_as_tool_calls_whole_and_streamed() {
+    // Gemma 3 270M, shown two earlier calls and their results (in the Hermes format its template
+    // gets), writes the third itself at temperature 0: nothing forces it, the parser must find it.
+    let (_worker, router) = gemma3_cluster().await;
+    let call = |city: &str, id: &str| {
+        let arguments = json!({"city": city}).to_string();
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]})
+    };
+    let messages = json!([
+        {"role": "user", "content": "What is the weather in Paris?"},
+        call("Paris", "c1"),
+        {"role": "tool", "tool_call_id": "c1", "content": "18C, sunny"},
+        {"role": "assistant", "content": "It is 18C and sunny in Paris."},
+        {"role": "user", "content": "What is the weather in Rome?"},
+        call("Rome", "c2"),
+        {"role": "tool", "tool_call_id": "c2", "content": "25C, clear"},
+        {"role": "assistant", "content": "It is 25C and clear in Rome."},
+        {"role": "user", "content": "What is the weather in Tokyo?"},
+    ]);
+    let tool = json!({"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}});
+    let body = json!({"model": "gemma3", "messages": messages, "tools": [tool], "tool_choice": "auto", "max_tokens": 30, "temperature": 0});
+    let (status, _, whole) = router.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    let calls = &whole["choices"][0]["message"]["tool_calls"];
+    assert_eq!(calls.as_array().map(Vec::len), Some(1), "{whole}");
+    assert_eq!(calls[0]["function"], json!({"name": "get_weather", "arguments": "{\"city\":\"Tokyo\"}"}), "{whole}");
+    let content = whole["choices"][0]["message"]["content"].as_str().unwrap_or("");
+    assert!(!content.contains("tool_call"), "no markup in content: {content:?}");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let response =
+        reqwest::Client::new().post(router.url("/v1/chat/completions")).json(&streamed).send().await.unwrap();
+    let (mut name, mut arguments) = (String::new(), String::new());
+    for delta in bellows_integration::sse(response).await.iter().filter_map(|c| c.get("choices")?.get(0)) {
+        for call in delta["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            name += call["function"]["name"].as_str().unwrap_or("");
+            arguments += call["function"]["arguments"].as_str().unwrap_or("");
+        }
+    }
+    assert_eq!((name.as_str(), arguments.as_str()), ("get_weather", "{\"city\":\"Tokyo\"}"));
+}
+
+#[tokio::test]
+async fn a_gemma3_worker_serves_through_the_router_which_tokenizes_its_sentencepiece_vocabulary_like_llama_cpp() {
+    // Gemma 3's tokenizer.json (262,144 pieces and their merges) is far over gRPC's default 4 MiB
+    // message limit: the router must still take its ModelInfo.
+    let (_worker, router) = gemma3_cluster().await;
     let fixture: Value =
         serde_json::from_str(include_str!("../../../crates/worker/tests/fixtures/tokenizer_reference_gemma3.json"))
             .unwrap();

@@ -76,7 +76,8 @@ async fn thinking_and_answer_part_at_the_close_tag_whole_and_streamed_and_no_tag
     let t = thinker().await;
     // The grammar makes the noise think four words, close, and answer three: the split is then
     // known without knowing the words.
-    let body = chat(json!({"guided_regex": "[a-z]{2,6}( [a-z]{2,6}){3}\n</think>\n\n[A-Z][a-z]{2,6}( [a-z]{2,6}){2}\\."}));
+    let body =
+        chat(json!({"guided_regex": "[a-z]{2,6}( [a-z]{2,6}){3}\n</think>\n\n[A-Z][a-z]{2,6}( [a-z]{2,6}){2}\\."}));
     let (status, _, whole) = t.router.post("/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{whole}");
     let message = &whole["choices"][0]["message"];
@@ -108,7 +109,10 @@ async fn an_answer_cut_off_while_thinking_is_the_same_thinking_in_every_protocol
     assert_eq!((status, whole["status"].as_str()), (200, Some("incomplete")), "{whole}");
     let output = whole["output"].as_array().unwrap();
     assert_eq!(output.len(), 1, "only the reasoning item: {whole}");
-    assert_eq!((output[0]["type"].as_str(), output[0]["content"][0]["text"].as_str()), (Some("reasoning"), Some(&*thinking)));
+    assert_eq!(
+        (output[0]["type"].as_str(), output[0]["content"][0]["text"].as_str()),
+        (Some("reasoning"), Some(&*thinking))
+    );
     assert_eq!(whole["usage"]["output_tokens_details"]["reasoning_tokens"], 12);
     let mut streamed = responses.clone();
     streamed["stream"] = json!(true);
@@ -131,10 +135,10 @@ async fn an_answer_cut_off_while_thinking_is_the_same_thinking_in_every_protocol
     streamed["stream"] = json!(true);
     let response = reqwest::Client::new().post(t.router.url("/v1/messages")).json(&streamed).send().await.unwrap();
     let events = sse_named(response).await;
-    let deltas: String =
-        events.iter().filter_map(|(_, e)| e["delta"]["thinking"].as_str()).collect();
+    let deltas: String = events.iter().filter_map(|(_, e)| e["delta"]["thinking"].as_str()).collect();
     assert_eq!(deltas, thinking);
-    let starts: Vec<&Value> = events.iter().filter(|(n, _)| n == "content_block_start").map(|(_, e)| &e["content_block"]["type"]).collect();
+    let starts: Vec<&Value> =
+        events.iter().filter(|(n, _)| n == "content_block_start").map(|(_, e)| &e["content_block"]["type"]).collect();
     assert_eq!(starts, [&json!("thinking")]);
 }
 

@@ -157,7 +157,10 @@ mod tests {
         let (whole, _) = gather(&shape, &[(musing, 20), ("</think>\n\n", 2), (call, 20)]);
         assert_eq!(whole.reasoning, musing);
         assert_eq!(whole.content, "");
-        assert_eq!(whole.calls, vec![ParsedCall { name: "get_weather".into(), arguments: r#"{"city":"Oslo"}"#.into() }]);
+        assert_eq!(
+            whole.calls,
+            vec![ParsedCall { name: "get_weather".into(), arguments: r#"{"city":"Oslo"}"#.into() }]
+        );
     }
 
     #[test]

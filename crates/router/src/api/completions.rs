@@ -38,11 +38,11 @@ use super::{
 };
 use crate::{
     admission::Ticket,
+    answer::{AnswerParser, AnswerShape, Piece, Start},
     cluster::ModelPool,
     dispatch::{Choice, ChoiceEvent, Structured},
     metrics::{ReasonLabels, RequestLabels},
     tenants::{QueueRejection, Tenant},
-    answer::{AnswerParser, AnswerShape, Piece, Start},
     tools::{CallParsing, Family, ParsedCall, Tools},
 };
 

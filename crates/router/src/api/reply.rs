@@ -16,9 +16,9 @@ use super::{
     response::{self, ChoiceOut, UsageOut},
 };
 use crate::{
+    answer::{AnswerShape, Gathered},
     dispatch::ChoiceEvent,
     metrics::Latencies,
-    answer::{AnswerShape, Gathered},
     tenants::{Admission as LimitAdmission, ModelUsage, Turn},
 };
 

@@ -113,7 +113,12 @@ pub fn chunk(
 ) -> String {
     let json = match endpoint {
         Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses => {
-            let delta = ChatDelta { role: role.then_some("assistant"), content: text, reasoning_content: None, tool_calls: None };
+            let delta = ChatDelta {
+                role: role.then_some("assistant"),
+                content: text,
+                reasoning_content: None,
+                tool_calls: None,
+            };
             let choice = ChatChunkChoice { index, delta, logprobs, finish_reason: finish };
             serde_json::to_string(&Chunk { header, choices: [choice], usage: None })
         }

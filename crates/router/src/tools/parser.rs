@@ -730,5 +730,7 @@ mod tests {
         assert_eq!(Family::of_template(Some("<|python_tag|>")), Family::Llama3Json);
         assert_eq!(Family::of_template(Some("<tool_call>")), Family::Hermes);
         assert_eq!(Family::of_template(None), Family::Hermes);
+        assert!(Family::Mistral.opens_with_a_control_token() && Family::Llama3Json.opens_with_a_control_token());
+        assert!(!Family::Hermes.opens_with_a_control_token(), "Hermes' tags are text tokens");
     }
 }

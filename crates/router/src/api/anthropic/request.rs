@@ -132,7 +132,10 @@ fn thinking(raw: Option<&Value>, max_tokens: Option<u32>) -> Result<Option<Templ
                 ApiError::invalid("thinking.budget_tokens", "thinking.budget_tokens: Field required (an integer)")
             })?;
             if budget < 1024 {
-                return Err(ApiError::invalid("thinking.budget_tokens", "thinking.budget_tokens: must be at least 1024"));
+                return Err(ApiError::invalid(
+                    "thinking.budget_tokens",
+                    "thinking.budget_tokens: must be at least 1024",
+                ));
             }
             if max_tokens.is_some_and(|m| budget >= u64::from(m)) {
                 return Err(ApiError::invalid(

@@ -21,12 +21,12 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::{
+    answer::{AnswerParser, ParsedCall, Piece},
     api::{
         error::ApiError,
         reply::{Reply, Timing},
         response::{self, ChoiceOut, UsageOut},
     },
-    answer::{AnswerParser, ParsedCall, Piece},
     dispatch::ChoiceEvent,
 };
 

@@ -23,12 +23,12 @@ use tokio::sync::mpsc;
 
 use super::{Turn, new_item_id, store::Stored};
 use crate::{
+    answer::{AnswerParser, ParsedCall, Piece},
     api::{
         error::ApiError,
         reply::{Reply, Timing},
         response::{self, ChoiceOut, UsageOut},
     },
-    answer::{AnswerParser, ParsedCall, Piece},
     dispatch::ChoiceEvent,
 };
 
