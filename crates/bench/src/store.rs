@@ -116,27 +116,35 @@ async fn measure(store: Arc<dyn ResponseStore>, args: &Args, stored: &Stored) ->
     Ok(Latency { put_ms, get_ms })
 }
 
-/// The same statements as the store's, on plain connections, one per task.
+/// The same statements as the store's, on plain connections, one per task, each statement
+/// prepared once per connection (as the store's pool caches them): the floor under the store.
 async fn measure_raw(config: &tokio_postgres::Config, args: &Args, stored: &Stored) -> anyhow::Result<Latency> {
-    let mut clients = Vec::new();
+    let mut conns = Vec::new();
     for _ in 0..args.concurrency {
         let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
         tokio::spawn(connection);
-        clients.push(Arc::new(client));
+        let insert = client
+            .prepare(
+                "INSERT INTO bellows_responses (tenant, id, stored, bytes, expires_at)
+                 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))",
+            )
+            .await?;
+        let select = client
+            .prepare("SELECT stored FROM bellows_responses WHERE tenant = $1 AND id = $2 AND expires_at > now()")
+            .await?;
+        conns.push(Arc::new((client, insert, select)));
     }
-    let clients = Arc::new(clients);
+    let conns = Arc::new(conns);
     let text = Arc::new(serde_json::to_string(stored)?);
     let ids: Vec<String> = (0..args.ops).map(|i| format!("raw_{i:08}_{}", rand::random::<u32>())).collect();
-    let c = clients.clone();
+    let c = conns.clone();
     let put_ms = timed(&ids, args.concurrency, move |task, id| {
         let (c, text) = (c[task].clone(), text.clone());
         async move {
-            c.execute(
-                "INSERT INTO bellows_responses (tenant, id, stored, bytes, expires_at)
-                 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5))",
-                &[&"bench-raw", &id.as_str(), &text.as_str(), &(text.len() as i64), &3600f64],
-            )
-            .await?;
+            let (client, insert, _) = &*c;
+            client
+                .execute(insert, &[&"bench-raw", &id.as_str(), &text.as_str(), &(text.len() as i64), &3600f64])
+                .await?;
             Ok(())
         }
     })
@@ -144,14 +152,10 @@ async fn measure_raw(config: &tokio_postgres::Config, args: &Args, stored: &Stor
     let mut shuffled = ids.clone();
     shuffled.shuffle(&mut rand::rng());
     let get_ms = timed(&shuffled, args.concurrency, move |task, id| {
-        let c = clients[task].clone();
+        let c = conns[task].clone();
         async move {
-            let row = c
-                .query_one(
-                    "SELECT stored FROM bellows_responses WHERE tenant = $1 AND id = $2 AND expires_at > now()",
-                    &[&"bench-raw", &id.as_str()],
-                )
-                .await?;
+            let (client, _, select) = &*c;
+            let row = client.query_one(select, &[&"bench-raw", &id.as_str()]).await?;
             anyhow::ensure!(!row.get::<_, &str>(0).is_empty());
             Ok(())
         }

@@ -8,6 +8,7 @@
 //! (`store`) are its own. A continuation renders the stored conversation as the prefix of its
 //! prompt, so cache-aware placement finds the worker that holds its KV.
 
+mod items;
 pub mod postgres;
 mod request;
 mod response;
@@ -23,7 +24,7 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use serde::Deserialize;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 pub(super) use response::{stream, whole};
 use store::{ResponseStore, StoreError};
@@ -44,7 +45,7 @@ pub struct Turn {
     store: Option<Arc<dyn ResponseStore>>,
     input_items: Vec<Value>,
     context: Vec<Value>,
-    echo: Map<String, Value>,
+    echo: request::Echo,
 }
 
 /// A fresh item id: `prefix`, `_`, 24 hex digits (`msg_…`, `fc_…`, `call_…`, `resp_…`).

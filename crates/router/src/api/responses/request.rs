@@ -7,7 +7,7 @@
 //! context of `previous_response_id` (every item: messages, function calls and their outputs,
 //! so a continuation never loses a call), then this request's input items.
 
-use std::collections::HashSet;
+use std::{collections::HashSet, sync::LazyLock};
 
 use bellows_common::{
     chat_template::{ChatMessage, TemplateKwargs},
@@ -15,7 +15,7 @@ use bellows_common::{
     sampling_limits as limits,
 };
 use bellows_proto::worker::v1 as pb;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::store::Stored;
@@ -65,7 +65,49 @@ pub(super) struct Parsed {
     /// output is appended to for the next continuation.
     pub context: Vec<Value>,
     /// The request's fields the response object echoes.
-    pub echo: Map<String, Value>,
+    pub echo: Echo,
+}
+
+/// The request's fields the response object echoes, as OpenAI's does: typed, so a response is
+/// written straight from them (no JSON tree built and copied for each answer).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(super) struct Echo {
+    pub instructions: Option<String>,
+    pub metadata: Map<String, Value>,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub max_output_tokens: Option<u32>,
+    pub parallel_tool_calls: bool,
+    #[serde(serialize_with = "or_auto")]
+    pub tool_choice: Option<Value>,
+    pub tools: Vec<Value>,
+    #[serde(serialize_with = "or_text_format")]
+    pub text: Option<Value>,
+    #[serde(serialize_with = "or_no_reasoning")]
+    pub reasoning: Option<Value>,
+    pub previous_response_id: Option<String>,
+    pub store: bool,
+    pub truncation: &'static str,
+    pub user: Option<String>,
+}
+
+fn or_default<S: serde::Serializer>(v: &Option<Value>, default: &Value, s: S) -> Result<S::Ok, S::Error> {
+    v.as_ref().unwrap_or(default).serialize(s)
+}
+
+fn or_auto<S: serde::Serializer>(v: &Option<Value>, s: S) -> Result<S::Ok, S::Error> {
+    static AUTO: LazyLock<Value> = LazyLock::new(|| json!("auto"));
+    or_default(v, &AUTO, s)
+}
+
+fn or_text_format<S: serde::Serializer>(v: &Option<Value>, s: S) -> Result<S::Ok, S::Error> {
+    static TEXT: LazyLock<Value> = LazyLock::new(|| json!({"format": {"type": "text"}}));
+    or_default(v, &TEXT, s)
+}
+
+fn or_no_reasoning<S: serde::Serializer>(v: &Option<Value>, s: S) -> Result<S::Ok, S::Error> {
+    static NONE: LazyLock<Value> = LazyLock::new(|| json!({"effort": null, "summary": null}));
+    or_default(v, &NONE, s)
 }
 
 /// Metadata one response may carry (OpenAI's limits).
@@ -97,7 +139,7 @@ pub(super) fn parse(raw: RawResponses, previous: Option<Stored>) -> Result<(Job,
     }
     messages.extend(conversation(&context, history)?);
     let tools_echo = raw.tools.clone().unwrap_or_default();
-    let choice_echo = raw.tool_choice.clone().unwrap_or(json!("auto"));
+    let choice_echo = raw.tool_choice.clone();
     let tools = tools(raw.tools, raw.tool_choice, raw.parallel_tool_calls)?;
     let structured = text_format(raw.text.as_ref())?;
     if structured.is_some() && tools.as_ref().is_some_and(|t| t.active()) {
@@ -109,21 +151,22 @@ pub(super) fn parse(raw: RawResponses, previous: Option<Stored>) -> Result<(Job,
         ..Default::default()
     };
     let chat_template_kwargs = reasoning(raw.reasoning.as_ref())?;
-    let mut echo = Map::new();
-    echo.insert("instructions".into(), json!(raw.instructions));
-    echo.insert("metadata".into(), Value::Object(metadata));
-    echo.insert("temperature".into(), json!(raw.temperature.unwrap_or(1.0)));
-    echo.insert("top_p".into(), json!(raw.top_p.unwrap_or(1.0)));
-    echo.insert("max_output_tokens".into(), json!(raw.max_output_tokens));
-    echo.insert("parallel_tool_calls".into(), json!(raw.parallel_tool_calls.unwrap_or(true)));
-    echo.insert("tool_choice".into(), choice_echo);
-    echo.insert("tools".into(), Value::Array(tools_echo));
-    echo.insert("text".into(), raw.text.clone().unwrap_or(json!({"format": {"type": "text"}})));
-    echo.insert("reasoning".into(), raw.reasoning.clone().unwrap_or(json!({"effort": null, "summary": null})));
-    echo.insert("previous_response_id".into(), json!(raw.previous_response_id));
-    echo.insert("store".into(), json!(raw.store.unwrap_or(true)));
-    echo.insert("truncation".into(), json!("disabled"));
-    echo.insert("user".into(), json!(raw.user));
+    let echo = Echo {
+        instructions: raw.instructions,
+        metadata,
+        temperature: raw.temperature.unwrap_or(1.0),
+        top_p: raw.top_p.unwrap_or(1.0),
+        max_output_tokens: raw.max_output_tokens,
+        parallel_tool_calls: raw.parallel_tool_calls.unwrap_or(true),
+        tool_choice: choice_echo,
+        tools: tools_echo,
+        text: raw.text,
+        reasoning: raw.reasoning,
+        previous_response_id: raw.previous_response_id,
+        store: raw.store.unwrap_or(true),
+        truncation: "disabled",
+        user: raw.user.clone(),
+    };
     let job = Job {
         endpoint: Endpoint::Responses,
         model: raw.model,
@@ -139,7 +182,7 @@ pub(super) fn parse(raw: RawResponses, previous: Option<Stored>) -> Result<(Job,
         cache_salt: None,
         json_bounds: JsonBounds::Bounded,
     };
-    let turn = Parsed { store: raw.store.unwrap_or(true), input_items, context, echo };
+    let turn = Parsed { store: echo.store, input_items, context, echo };
     Ok((job, turn))
 }
 

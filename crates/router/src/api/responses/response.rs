@@ -10,18 +10,24 @@
 use std::convert::Infallible;
 
 use axum::{
-    Json,
-    http::StatusCode,
+    http::{StatusCode, header},
     response::{
         IntoResponse, Response,
-        sse::{Event, KeepAlive, Sse},
+        sse::{self, KeepAlive, Sse},
     },
 };
 use futures_util::{Stream, StreamExt, stream};
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::json;
 use tokio::sync::mpsc;
 
-use super::{Turn, new_item_id, store::Stored};
+use super::{
+    Turn,
+    items::{ArgumentsDone, Delta, Event, Item, ItemEvent, Part, PartEvent, TextDone},
+    new_item_id,
+    request::Echo,
+    store::Stored,
+};
 use crate::{
     answer::{AnswerParser, ParsedCall, Piece},
     api::{
@@ -32,61 +38,94 @@ use crate::{
     dispatch::ChoiceEvent,
 };
 
-fn usage(u: &UsageOut) -> Value {
-    json!({
-        "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
-        "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": u.completion_tokens_details.reasoning_tokens},
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-    })
+#[derive(Serialize)]
+struct UsageJson {
+    input_tokens: u32,
+    input_tokens_details: CachedTokens,
+    output_tokens: u32,
+    output_tokens_details: ReasoningTokens,
+    total_tokens: u32,
 }
 
-/// The response object in a given state: `output` and `usage` once known.
-fn object(reply: &Reply, turn: &Turn, status: &str, output: &[Value], u: Option<&UsageOut>) -> Value {
-    let mut o = json!({
-        "id": reply.id,
-        "object": "response",
-        "created_at": reply.created,
-        "status": status,
-        "model": reply.model,
-        "output": output,
-        "error": null,
-        "incomplete_details": if status == "incomplete" { json!({"reason": "max_output_tokens"}) } else { Value::Null },
-        "usage": u.map(usage),
-        "service_tier": reply.priority.service_tier(),
-    });
-    let map = o.as_object_mut().expect("an object");
-    map.extend(turn.echo.clone());
-    if status == "completed" || status == "incomplete" {
-        map.insert("completed_at".into(), json!(crate::api::unix_seconds()));
+#[derive(Serialize)]
+struct CachedTokens {
+    cached_tokens: u32,
+}
+
+#[derive(Serialize)]
+struct ReasoningTokens {
+    reasoning_tokens: u32,
+}
+
+fn usage(u: &UsageOut) -> UsageJson {
+    UsageJson {
+        input_tokens: u.prompt_tokens,
+        input_tokens_details: CachedTokens { cached_tokens: u.prompt_tokens_details.cached_tokens },
+        output_tokens: u.completion_tokens,
+        output_tokens_details: ReasoningTokens { reasoning_tokens: u.completion_tokens_details.reasoning_tokens },
+        total_tokens: u.prompt_tokens + u.completion_tokens,
     }
-    o
 }
 
-fn message_item(id: &str, text: &str, status: &str) -> Value {
-    let content = if status == "in_progress" { json!([]) } else { json!([text_part(text)]) };
-    json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
+/// The response object in a given state: `output` and `usage` once known. Typed, and written
+/// straight to text: the request's echoed fields are borrowed, not copied into a JSON tree.
+#[derive(Serialize)]
+struct ResponseObject<'a> {
+    id: &'a str,
+    object: &'static str,
+    created_at: u64,
+    status: &'a str,
+    model: &'a str,
+    output: &'a [Item],
+    error: Option<ErrorOut<'a>>,
+    incomplete_details: Option<Incomplete>,
+    usage: Option<UsageJson>,
+    service_tier: &'static str,
+    #[serde(flatten)]
+    echo: &'a Echo,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    completed_at: Option<u64>,
 }
 
-fn text_part(text: &str) -> Value {
-    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+#[derive(Serialize)]
+struct ErrorOut<'a> {
+    code: &'static str,
+    message: &'a str,
 }
 
-/// Thinking as a `reasoning` item: its text as `reasoning_text` content, as open-weight models'
-/// is (OpenAI's own models give a `summary` instead, left empty here).
-fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
-    let content = if status == "in_progress" { json!([]) } else { json!([reasoning_part(text)]) };
-    json!({"type": "reasoning", "id": id, "summary": [], "content": content, "status": status})
+#[derive(Serialize)]
+struct Incomplete {
+    reason: &'static str,
 }
 
-fn reasoning_part(text: &str) -> Value {
-    json!({"type": "reasoning_text", "text": text})
+fn object<'a>(
+    reply: &'a Reply,
+    turn: &'a Turn,
+    status: &'a str,
+    output: &'a [Item],
+    u: Option<&UsageOut>,
+) -> ResponseObject<'a> {
+    let ended = status == "completed" || status == "incomplete";
+    ResponseObject {
+        id: &reply.id,
+        object: "response",
+        created_at: reply.created,
+        status,
+        model: &reply.model,
+        output,
+        error: None,
+        incomplete_details: (status == "incomplete").then_some(Incomplete { reason: "max_output_tokens" }),
+        usage: u.map(usage),
+        service_tier: reply.priority.service_tier(),
+        echo: &turn.echo,
+        completed_at: ended.then(crate::api::unix_seconds),
+    }
 }
 
-fn call_item(id: &str, call_id: &str, call: &ParsedCall, status: &str) -> Value {
-    let arguments = if status == "in_progress" { "" } else { call.arguments.as_str() };
-    json!({"type": "function_call", "id": id, "call_id": call_id, "name": call.name, "arguments": arguments, "status": status})
+/// The body of an event that carries the response object (`response.created`, `.completed`).
+#[derive(Serialize)]
+struct ObjectEvent<'a> {
+    response: &'a ResponseObject<'a>,
 }
 
 /// Whether the answer ended by its length.
@@ -94,14 +133,19 @@ fn status_of(finish: &str) -> &'static str {
     if finish == "length" { "incomplete" } else { "completed" }
 }
 
+/// What storing `response` writes, when the request is stored.
+fn to_store(turn: &Turn, response: &ResponseObject<'_>) -> Option<Stored> {
+    turn.store.as_ref()?;
+    let mut context = turn.context.clone();
+    context.extend(response.output.iter().map(Item::to_value));
+    let response = serde_json::to_value(response).expect("a response serializes");
+    Some(Stored { response, input_items: turn.input_items.clone(), context })
+}
+
 /// Store the finished response, if the request asked: a failed write is logged, never the
 /// request's failure (the answer is whole without the store).
-async fn store(reply: &Reply, turn: &Turn, response: &Value) {
-    let Some(store) = turn.store.as_ref() else { return };
-    let output = response["output"].as_array().cloned().unwrap_or_default();
-    let mut context = turn.context.clone();
-    context.extend(output);
-    let stored = Stored { response: response.clone(), input_items: turn.input_items.clone(), context };
+async fn store(reply: &Reply, turn: &Turn, stored: Option<Stored>) {
+    let (Some(store), Some(stored)) = (turn.store.as_ref(), stored) else { return };
     if let Err(e) = store.put(&turn.tenant, &reply.id, stored).await {
         let _in_span = reply.span.enter();
         tracing::warn!(error = %e, "the response was not stored");
@@ -114,20 +158,21 @@ pub async fn whole(mut reply: Reply, turn: Turn, rx: mpsc::Receiver<ChoiceEvent>
     let choice = choices.first().expect("a Responses request has one choice");
     let output = output_items(choice);
     let response = object(&reply, &turn, status_of(choice.finish), &output, Some(&u));
-    store(&reply, &turn, &response).await;
-    Ok(Json(response).into_response())
+    let body = serde_json::to_string(&response).expect("a response serializes");
+    store(&reply, &turn, to_store(&turn, &response)).await;
+    Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
-fn output_items(choice: &ChoiceOut) -> Vec<Value> {
+fn output_items(choice: &ChoiceOut) -> Vec<Item> {
     let mut output = Vec::new();
     if !choice.reasoning.is_empty() {
-        output.push(reasoning_item(&new_item_id("rs"), &choice.reasoning, "completed"));
+        output.push(Item::reasoning(&new_item_id("rs"), Some(&choice.reasoning)));
     }
     if !choice.text.is_empty() || (choice.tool_calls.is_empty() && choice.reasoning.is_empty()) {
-        output.push(message_item(&new_item_id("msg"), &choice.text, "completed"));
+        output.push(Item::message(&new_item_id("msg"), Some(&choice.text)));
     }
     for call in &choice.tool_calls {
-        output.push(call_item(&new_item_id("fc"), &new_item_id("call"), call, "completed"));
+        output.push(Item::call(&new_item_id("fc"), &new_item_id("call"), call, true));
     }
     output
 }
@@ -164,7 +209,7 @@ struct ResponseStream {
     pending: Option<ChoiceEvent>,
     parser: AnswerParser,
     /// The finished output items so far.
-    output: Vec<Value>,
+    output: Vec<Item>,
     /// The reasoning item open now: its id and its text so far.
     reasoning: Option<(String, String)>,
     /// The message item open now: its id and its text so far.
@@ -188,7 +233,7 @@ struct OpenCall {
 /// last of them (`response.completed`) goes out.
 struct Step {
     events: Vec<Sent>,
-    finished: Option<Value>,
+    finished: Option<Stored>,
 }
 
 /// One event ready for the wire: its name and its data's JSON text.
@@ -197,21 +242,7 @@ struct Sent {
     data: String,
 }
 
-/// `response.output_text.delta`, the per-token event: a struct, serialized straight to text
-/// (no intermediate JSON tree on the hot path).
-#[derive(serde::Serialize)]
-struct TextDelta<'a> {
-    #[serde(rename = "type")]
-    kind: &'static str,
-    sequence_number: u64,
-    output_index: usize,
-    item_id: &'a str,
-    content_index: u32,
-    delta: &'a str,
-    logprobs: [(); 0],
-}
-
-fn events(state: ResponseStream) -> impl Stream<Item = Result<Event, Infallible>> {
+fn events(state: ResponseStream) -> impl Stream<Item = Result<sse::Event, Infallible>> {
     stream::unfold(state, |mut s| async move {
         if s.finished {
             return None;
@@ -221,21 +252,35 @@ fn events(state: ResponseStream) -> impl Stream<Item = Result<Event, Infallible>
             None => s.rx.recv().await,
         };
         let step = s.step(event);
-        if let Some(response) = &step.finished {
-            store(&s.reply, &s.turn, response).await;
+        if step.finished.is_some() {
+            store(&s.reply, &s.turn, step.finished).await;
         }
         Some((step.events, s))
     })
-    .flat_map(|batch| stream::iter(batch.into_iter().map(|e| Ok(Event::default().event(e.name).data(e.data)))))
+    .flat_map(|batch| stream::iter(batch.into_iter().map(|e| Ok(sse::Event::default().event(e.name).data(e.data)))))
 }
 
 impl ResponseStream {
-    /// An event of `type` with the next sequence number.
-    fn event(&mut self, kind: &'static str, mut data: Value) -> Sent {
-        data["type"] = json!(kind);
-        data["sequence_number"] = json!(self.sequence);
+    /// An event of `kind` with the next sequence number.
+    fn event<B: Serialize>(&mut self, kind: &'static str, body: B) -> Sent {
+        let data = serde_json::to_string(&Event { kind, sequence_number: self.sequence, body });
         self.sequence += 1;
-        Sent { name: kind, data: data.to_string() }
+        Sent { name: kind, data: data.expect("events serialize") }
+    }
+
+    /// A delta event of `kind` for the item at `output_index`.
+    fn delta(&mut self, kind: &'static str, output_index: usize, item_id: &str, text_part: bool, delta: &str) -> Sent {
+        let event = Delta {
+            kind,
+            sequence_number: self.sequence,
+            output_index,
+            item_id,
+            content_index: text_part.then_some(0),
+            delta,
+            logprobs: (kind == "response.output_text.delta").then_some([]),
+        };
+        self.sequence += 1;
+        Sent { name: kind, data: serde_json::to_string(&event).expect("events serialize") }
     }
 
     fn step(&mut self, event: Option<ChoiceEvent>) -> Step {
@@ -244,7 +289,8 @@ impl ResponseStream {
         if !self.announced {
             self.announced = true;
             // One response object, serialized once, for both events that carry it.
-            let created = object(&self.reply, &self.turn, "in_progress", &[], None).to_string();
+            let created = object(&self.reply, &self.turn, "in_progress", &[], None);
+            let created = serde_json::to_string(&created).expect("a response serializes");
             for kind in ["response.created", "response.in_progress"] {
                 let data = format!(r#"{{"type":"{kind}","sequence_number":{},"response":{created}}}"#, self.sequence);
                 self.sequence += 1;
@@ -264,7 +310,7 @@ impl ResponseStream {
                 let pieces = self.parser.finish();
                 self.send_pieces(pieces, &mut out);
                 self.close_reasoning(&mut out);
-                let made_calls = self.output.iter().any(|i| i["type"] == "function_call");
+                let made_calls = self.output.iter().any(Item::is_call);
                 if self.output.is_empty() {
                     self.open_text(&mut out);
                 }
@@ -275,11 +321,16 @@ impl ResponseStream {
                 total.add_reasoning(self.parser.reasoning_tokens());
                 self.reply.record(&total, &[finish], None);
                 self.reply.finished();
-                let response = object(&self.reply, &self.turn, status_of(finish), &self.output, Some(&total));
                 let kind = if status_of(finish) == "incomplete" { "response.incomplete" } else { "response.completed" };
-                let e = self.event(kind, json!({"response": response}));
-                out.push(e);
-                finished = Some(response);
+                let response = object(&self.reply, &self.turn, status_of(finish), &self.output, Some(&total));
+                finished = to_store(&self.turn, &response);
+                let data = serde_json::to_string(&Event {
+                    kind,
+                    sequence_number: self.sequence,
+                    body: ObjectEvent { response: &response },
+                });
+                self.sequence += 1;
+                out.push(Sent { name: kind, data: data.expect("events serialize") });
                 self.finished = true;
             }
             Some(ChoiceEvent::Failed { error, .. }) => self.fail(ApiError::from(error), &mut out),
@@ -299,21 +350,9 @@ impl ResponseStream {
                 Piece::Content(text) => {
                     self.close_reasoning(out);
                     let index = self.open_text(out);
-                    let (id, so_far) = self.text.as_mut().expect("an open message");
-                    so_far.push_str(&text);
-                    let kind = "response.output_text.delta";
-                    let delta = TextDelta {
-                        kind,
-                        sequence_number: self.sequence,
-                        output_index: index,
-                        item_id: id,
-                        content_index: 0,
-                        delta: &text,
-                        logprobs: [],
-                    };
-                    let data = serde_json::to_string(&delta).expect("a delta serializes");
-                    self.sequence += 1;
-                    out.push(Sent { name: kind, data });
+                    let (id, so_far) = self.text.take().expect("an open message");
+                    out.push(self.delta("response.output_text.delta", index, &id, true, &text));
+                    self.text = Some((id, so_far + &text));
                 }
                 Piece::Call(call) => {
                     self.start_call(call.name, out);
@@ -336,29 +375,28 @@ impl ResponseStream {
             call_id: new_item_id("call"),
             call: ParsedCall { name, arguments: String::new() },
         };
-        let item = call_item(&call.id, &call.call_id, &call.call, "in_progress");
-        let e = self.event("response.output_item.added", json!({"output_index": self.output.len(), "item": item}));
+        let item = Item::call(&call.id, &call.call_id, &call.call, false);
+        let e = self.event("response.output_item.added", ItemEvent { output_index: self.output.len(), item: &item });
         out.push(e);
         self.call = Some(call);
     }
 
     fn call_arguments(&mut self, fragment: &str, out: &mut Vec<Sent>) {
         let index = self.output.len();
-        let call = self.call.as_mut().expect("arguments follow their call's start");
+        let mut call = self.call.take().expect("arguments follow their call's start");
         call.call.arguments.push_str(fragment);
-        let delta = json!({"output_index": index, "item_id": call.id, "delta": fragment});
-        let e = self.event("response.function_call_arguments.delta", delta);
-        out.push(e);
+        out.push(self.delta("response.function_call_arguments.delta", index, &call.id, false, fragment));
+        self.call = Some(call);
     }
 
     fn end_call(&mut self, out: &mut Vec<Sent>) {
         let Some(OpenCall { id, call_id, call }) = self.call.take() else { return };
         let index = self.output.len();
-        let done = json!({"output_index": index, "item_id": id, "name": call.name, "arguments": call.arguments});
+        let done = ArgumentsDone { output_index: index, item_id: &id, name: &call.name, arguments: &call.arguments };
         let e = self.event("response.function_call_arguments.done", done);
         out.push(e);
-        let item = call_item(&id, &call_id, &call, "completed");
-        let e = self.event("response.output_item.done", json!({"output_index": index, "item": item}));
+        let item = Item::call(&id, &call_id, &call, true);
+        let e = self.event("response.output_item.done", ItemEvent { output_index: index, item: &item });
         out.push(e);
         self.output.push(item);
     }
@@ -367,69 +405,66 @@ impl ResponseStream {
     /// closed, if none is).
     fn reasoning_delta(&mut self, text: &str, out: &mut Vec<Sent>) {
         let index = self.output.len();
-        if self.reasoning.is_none() {
-            self.close_text(out);
-            let id = new_item_id("rs");
-            let item = reasoning_item(&id, "", "in_progress");
-            let e = self.event("response.output_item.added", json!({"output_index": index, "item": item}));
-            out.push(e);
-            let part = json!({"output_index": index, "item_id": id, "content_index": 0, "part": reasoning_part("")});
-            let e = self.event("response.content_part.added", part);
-            out.push(e);
-            self.reasoning = Some((id, String::new()));
-        }
-        let (id, so_far) = self.reasoning.as_mut().expect("an open reasoning item");
-        so_far.push_str(text);
-        let delta = json!({"output_index": index, "item_id": id, "content_index": 0, "delta": text});
-        let e = self.event("response.reasoning_text.delta", delta);
-        out.push(e);
+        let (id, so_far) = match self.reasoning.take() {
+            Some(open) => open,
+            None => {
+                self.close_text(out);
+                let id = new_item_id("rs");
+                self.open_item(&Item::reasoning(&id, None), &Part::reasoning_text(""), out);
+                (id, String::new())
+            }
+        };
+        out.push(self.delta("response.reasoning_text.delta", index, &id, true, text));
+        self.reasoning = Some((id, so_far + text));
     }
 
     fn close_reasoning(&mut self, out: &mut Vec<Sent>) {
         let Some((id, text)) = self.reasoning.take() else { return };
-        let index = self.output.len();
-        let done = json!({"output_index": index, "item_id": id, "content_index": 0, "text": text});
-        let e = self.event("response.reasoning_text.done", done);
-        out.push(e);
-        let part = json!({"output_index": index, "item_id": id, "content_index": 0, "part": reasoning_part(&text)});
-        let e = self.event("response.content_part.done", part);
-        out.push(e);
-        let item = reasoning_item(&id, &text, "completed");
-        let e = self.event("response.output_item.done", json!({"output_index": index, "item": item}));
-        out.push(e);
-        self.output.push(item);
+        let item = Item::reasoning(&id, Some(&text));
+        self.close_item(item, "response.reasoning_text.done", &id, &text, &Part::reasoning_text(&text), out);
     }
 
     /// The open message item's output index, opening one (its item and its text part) if none is.
     fn open_text(&mut self, out: &mut Vec<Sent>) -> usize {
         let index = self.output.len();
-        if self.text.is_some() {
-            return index;
+        if self.text.is_none() {
+            let id = new_item_id("msg");
+            self.open_item(&Item::message(&id, None), &Part::output_text(""), out);
+            self.text = Some((id, String::new()));
         }
-        let id = new_item_id("msg");
-        let e = self.event(
-            "response.output_item.added",
-            json!({"output_index": index, "item": message_item(&id, "", "in_progress")}),
-        );
-        out.push(e);
-        let part = json!({"output_index": index, "item_id": id, "content_index": 0, "part": text_part("")});
-        let e = self.event("response.content_part.added", part);
-        out.push(e);
-        self.text = Some((id, String::new()));
         index
     }
 
     fn close_text(&mut self, out: &mut Vec<Sent>) {
         let Some((id, text)) = self.text.take() else { return };
+        let item = Item::message(&id, Some(&text));
+        self.close_item(item, "response.output_text.done", &id, &text, &Part::output_text(&text), out);
+    }
+
+    /// An item with one text part opens: the item, then its empty part.
+    fn open_item(&mut self, item: &Item, part: &Part, out: &mut Vec<Sent>) {
         let index = self.output.len();
-        let done = json!({"output_index": index, "item_id": id, "content_index": 0, "text": text, "logprobs": []});
-        let e = self.event("response.output_text.done", done);
+        let item_id = match item {
+            Item::Message { id, .. } | Item::Reasoning { id, .. } | Item::FunctionCall { id, .. } => id.as_str(),
+        };
+        let e = self.event("response.output_item.added", ItemEvent { output_index: index, item });
         out.push(e);
-        let part = json!({"output_index": index, "item_id": id, "content_index": 0, "part": text_part(&text)});
-        let e = self.event("response.content_part.done", part);
+        let e = self
+            .event("response.content_part.added", PartEvent { output_index: index, item_id, content_index: 0, part });
         out.push(e);
-        let item = message_item(&id, &text, "completed");
-        let e = self.event("response.output_item.done", json!({"output_index": index, "item": item}));
+    }
+
+    /// An item with one text part closes: its text done, its part done, the item done.
+    fn close_item(&mut self, item: Item, done: &'static str, id: &str, text: &str, part: &Part, out: &mut Vec<Sent>) {
+        let index = self.output.len();
+        let e = self.event(done, TextDone { output_index: index, item_id: id, content_index: 0, text, logprobs: [] });
+        out.push(e);
+        let e = self.event(
+            "response.content_part.done",
+            PartEvent { output_index: index, item_id: id, content_index: 0, part },
+        );
+        out.push(e);
+        let e = self.event("response.output_item.done", ItemEvent { output_index: index, item: &item });
         out.push(e);
         self.output.push(item);
     }
@@ -442,9 +477,14 @@ impl ResponseStream {
         let e = self.event("error", json!({"code": code, "message": body.message, "param": body.param}));
         out.push(e);
         let mut failed = object(&self.reply, &self.turn, "failed", &self.output, None);
-        failed["error"] = json!({"code": "server_error", "message": body.message});
-        let e = self.event("response.failed", json!({"response": failed}));
-        out.push(e);
+        failed.error = Some(ErrorOut { code: "server_error", message: &body.message });
+        let data = serde_json::to_string(&Event {
+            kind: "response.failed",
+            sequence_number: self.sequence,
+            body: ObjectEvent { response: &failed },
+        });
+        self.sequence += 1;
+        out.push(Sent { name: "response.failed", data: data.expect("events serialize") });
         self.finished = true;
     }
 }
