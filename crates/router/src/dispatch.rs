@@ -16,7 +16,7 @@
 use std::{sync::Arc, time::Duration};
 
 use bellows_common::telemetry;
-use bellows_common::{constraint::Constraint, prefix_hash::BlockHash, priority::Priority};
+use bellows_common::{prefix_hash::BlockHash, priority::Priority};
 use bellows_proto::worker::v1 as pb;
 use tokio::sync::mpsc;
 use tracing::field::Empty;
@@ -24,34 +24,11 @@ use tracing::field::Empty;
 use crate::{
     admission::Ticket,
     cluster::{ModelPool, Reply, WorkerError, WorkerId, WorkerLink},
+    generation::{Finish, GenerationParams, TokenLogprobs, Usage},
     metrics::{Metrics, PolicyLabels},
     placement::{self, Placement, Policy, PromptShape},
+    wire,
 };
-
-/// How each choice is generated: what the worker receives besides the prompt.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct GenerationParams {
-    pub sampling: pb::SamplingParams,
-    pub max_tokens: Option<u32>,
-    pub stop: Vec<String>,
-    pub stop_token_ids: Vec<u32>,
-    pub ignore_eos: bool,
-    /// Control tokens the model generates are written out in its text (vLLM's
-    /// `skip_special_tokens: false`; and for a tool-call syntax that starts with one).
-    pub keep_special_tokens: bool,
-    /// What the output must match (structured outputs); `None` = free text.
-    pub structured: Option<Structured>,
-    /// Report each token's logprob with this many alternatives; `None` = no logprobs.
-    pub top_logprobs: Option<u32>,
-}
-
-/// A request's constraint and the field it came in, which its errors name.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Structured {
-    pub constraint: Constraint,
-    /// `response_format`, `guided_json`, `guided_regex`, `guided_grammar` or `tool_choice`.
-    pub param: &'static str,
-}
 
 /// Why a choice could not be generated.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -80,15 +57,15 @@ pub enum ChoiceEvent {
         index: u32,
         text: String,
         tokens: u32,
-        logprobs: Vec<pb::TokenLogprobs>,
+        logprobs: Vec<TokenLogprobs>,
         first_token_held: Duration,
     },
     Done {
         index: u32,
-        finish: pb::FinishReason,
+        finish: Finish,
         /// The request's stop string that ended the choice, when one did.
         stop_sequence: Option<String>,
-        usage: pb::Usage,
+        usage: Usage,
     },
     Failed {
         index: u32,
@@ -212,7 +189,7 @@ impl Dispatcher {
                         let _ = tx
                             .send(ChoiceEvent::Done {
                                 index: choice.index,
-                                finish: pb::FinishReason::Length,
+                                finish: Finish::Length,
                                 stop_sequence: None,
                                 usage,
                             })
@@ -337,25 +314,17 @@ impl Dispatcher {
 
     /// The worker's request for this attempt.
     fn request(&self, choice: &Choice, prompt: &[u32], generated: &[u32]) -> pb::GenerateRequest {
-        let params = &choice.params;
-        pb::GenerateRequest {
+        wire::Attempt {
             request_id: format!("{}-{}", choice.request_id, choice.index),
-            prompt_token_ids: prompt.to_vec(),
-            sampling: Some(params.sampling.clone()),
-            max_tokens: params.max_tokens.map(|m| m - generated.len() as u32),
-            stop: params.stop.clone(),
-            stop_token_ids: params.stop_token_ids.clone(),
-            ignore_eos: params.ignore_eos,
+            prompt,
+            params: &choice.params,
+            generated: generated.len(),
             cache_salt: choice.cache_salt.clone(),
-            delta_interval_ms: if choice.stream { 0 } else { WHOLE_ANSWER_DELTA_INTERVAL_MS },
-            hold_first_token: !choice.stream,
-            resumed_tokens: generated.len() as u32,
-            // Sent again on a migration: the new worker replays the resumed tokens through it.
-            constraint: params.structured.as_ref().map(|s| constraint_frame(&s.constraint)),
-            top_logprobs: params.top_logprobs,
-            priority: pb::Priority::from(choice.priority) as i32,
-            keep_special_tokens: params.keep_special_tokens,
+            stream: choice.stream,
+            whole_delta_interval_ms: WHOLE_ANSWER_DELTA_INTERVAL_MS,
+            priority: choice.priority,
         }
+        .request()
     }
 
     async fn finish(&self, choice: &Choice, progress: &Progress, f: pb::Finished, tx: &mpsc::Sender<ChoiceEvent>) {
@@ -363,7 +332,7 @@ impl Dispatcher {
         let usage = usage(choice, progress, reported);
         self.metrics.completion_tokens.inc_by(u64::from(usage.completion_tokens));
         self.metrics.cached_tokens.inc_by(u64::from(usage.cached_prompt_tokens));
-        let finish = pb::FinishReason::try_from(f.reason).unwrap_or(pb::FinishReason::Stop);
+        let finish = wire::finish(f.reason);
         let done = ChoiceEvent::Done { index: choice.index, finish, stop_sequence: f.stop_sequence, usage };
         let _ = tx.send(done).await;
     }
@@ -414,14 +383,15 @@ async fn relay(index: u32, delta: pb::Delta, progress: &mut Progress, tx: &mpsc:
         return true;
     }
     let first_token_held = Duration::from_micros(delta.first_token_held_us);
-    let text = ChoiceEvent::Text { index, text: delta.text, tokens, logprobs: delta.logprobs, first_token_held };
+    let logprobs = wire::logprobs(delta.logprobs);
+    let text = ChoiceEvent::Text { index, text: delta.text, tokens, logprobs, first_token_held };
     tx.send(text).await.is_ok()
 }
 
 /// The choice's usage: its own prompt (not a migration's), every token generated, and the
 /// cached tokens the worker reported, bounded by the prompt.
-fn usage(choice: &Choice, progress: &Progress, cached: u32) -> pb::Usage {
-    pb::Usage {
+fn usage(choice: &Choice, progress: &Progress, cached: u32) -> Usage {
+    Usage {
         prompt_tokens: choice.prompt.len() as u32,
         completion_tokens: progress.generated.len() as u32,
         cached_prompt_tokens: cached.min(choice.prompt.len() as u32),
@@ -447,15 +417,4 @@ fn attempt_span(choice: &Choice, worker: &WorkerLink, progress: &Progress) -> tr
         bellows.attempt.kind = kind,
         bellows.outcome = Empty,
     )
-}
-
-fn constraint_frame(c: &Constraint) -> pb::Constraint {
-    use pb::constraint::Kind;
-    let kind = match c {
-        Constraint::JsonObject => Kind::JsonObject(true),
-        Constraint::JsonSchema(schema) => Kind::JsonSchema(schema.to_string()),
-        Constraint::Regex(rx) => Kind::Regex(rx.clone()),
-        Constraint::Lark(lark) => Kind::Lark(lark.clone()),
-    };
-    pb::Constraint { kind: Some(kind) }
 }

@@ -11,12 +11,14 @@ pub mod api;
 pub mod args;
 pub mod cluster;
 pub mod dispatch;
+pub mod generation;
 pub mod metrics;
 pub mod placement;
 pub mod shards;
 pub mod tenants;
 pub mod tokenize;
 pub mod tools;
+pub mod wire;
 
 use std::sync::Arc;
 

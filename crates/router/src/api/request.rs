@@ -14,13 +14,12 @@ use bellows_common::{
     priority::Priority,
     sampling_limits::{self as limits, Range},
 };
-use bellows_proto::worker::v1 as pb;
 use serde::Deserialize;
 use serde_json::Value;
 
 use super::{error::ApiError, strict_schema, tool_request};
 use crate::{
-    dispatch::{GenerationParams, Structured},
+    generation::{GenerationParams, Sampling, Structured},
     tools::Tools,
 };
 
@@ -386,8 +385,8 @@ fn max_tokens(max_completion_tokens: Option<u32>, max_tokens: Option<u32>) -> Re
     Ok(max_tokens)
 }
 
-fn sampling(raw: &mut RawRequest) -> Result<pb::SamplingParams, ApiError> {
-    Ok(pb::SamplingParams {
+fn sampling(raw: &mut RawRequest) -> Result<Sampling, ApiError> {
+    Ok(Sampling {
         temperature: in_range(raw.temperature, "temperature", limits::TEMPERATURE)?,
         top_p: in_range(raw.top_p, "top_p", limits::TOP_P)?,
         // -1 means off, as in vLLM.
@@ -744,7 +743,7 @@ mod tests {
         assert_eq!(job.n, 1);
         assert!(!job.stream);
         assert_eq!(job.params.max_tokens, None);
-        assert_eq!(job.params.sampling, pb::SamplingParams::default());
+        assert_eq!(job.params.sampling, Sampling::default());
         assert_eq!(job.input, Input::Chat(vec![ChatMessage::new("user".into(), "hi".into())]));
     }
 

@@ -1,16 +1,16 @@
 //! The JSON shapes the API answers with (OpenAI's), and usage accounting across choices.
 
-use bellows_proto::worker::v1 as pb;
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::request::Endpoint;
+use crate::generation::{Finish, TokenLogprobs, Usage};
 use crate::tools::{self, ParsedCall};
 
-pub fn finish_reason(f: pb::FinishReason) -> &'static str {
+pub fn finish_reason(f: Finish) -> &'static str {
     match f {
-        pb::FinishReason::Length => "length",
-        _ => "stop",
+        Finish::Length => "length",
+        Finish::Stop => "stop",
     }
 }
 
@@ -37,7 +37,7 @@ pub struct PromptTokensDetails {
 impl UsageOut {
     /// Add one choice's usage. Choices of the same prompt share its prompt tokens, which are
     /// counted once (for the first choice of each prompt), as OpenAI counts them.
-    pub fn add(&mut self, usage: &pb::Usage, first_choice_of_its_prompt: bool) {
+    pub fn add(&mut self, usage: &Usage, first_choice_of_its_prompt: bool) {
         if first_choice_of_its_prompt {
             self.prompt_tokens += usage.prompt_tokens;
             self.prompt_tokens_details.cached_tokens += usage.cached_prompt_tokens;
@@ -165,7 +165,7 @@ pub fn usage_chunk(header: &Header<'_>, usage: UsageOut) -> String {
 /// top_logprobs}], refusal}`. Completions: `{tokens, token_logprobs, top_logprobs, text_offset}`,
 /// where `offset` is the character offset of the first token's text in the choice, advanced
 /// past these tokens (a stream keeps one per choice).
-pub fn logprobs(endpoint: Endpoint, entries: &[pb::TokenLogprobs], offset: &mut u32) -> Value {
+pub fn logprobs(endpoint: Endpoint, entries: &[TokenLogprobs], offset: &mut u32) -> Value {
     let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
     match endpoint {
         Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses => {
@@ -204,7 +204,7 @@ pub struct ChoiceOut {
     pub reasoning: String,
     pub finish: &'static str,
     /// The choice's logprobs entries, when the request asked for them.
-    pub logprobs: Option<Vec<pb::TokenLogprobs>>,
+    pub logprobs: Option<Vec<TokenLogprobs>>,
     /// Calls parsed out of the text (which then holds only the rest).
     pub tool_calls: Vec<ParsedCall>,
     /// The stop string that ended the choice, when one did.
@@ -278,11 +278,12 @@ pub fn completion(endpoint: Endpoint, header: &Header<'_>, choices: &[ChoiceOut]
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::generation::TopLogprob;
 
     #[test]
     fn prompt_tokens_are_counted_once_per_prompt_not_per_choice() {
         let mut u = UsageOut::default();
-        let one = pb::Usage { prompt_tokens: 10, completion_tokens: 3, cached_prompt_tokens: 8 };
+        let one = Usage { prompt_tokens: 10, completion_tokens: 3, cached_prompt_tokens: 8 };
         u.add(&one, true);
         u.add(&one, false);
         assert_eq!(u.prompt_tokens, 10);
@@ -314,16 +315,11 @@ mod tests {
         assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     }
 
-    fn entries() -> Vec<pb::TokenLogprobs> {
-        let top =
-            |id: u32, lp: f32, t: &str| pb::TopLogprob { token_id: id, logprob: lp, token: t.as_bytes().to_vec() };
+    fn entries() -> Vec<TokenLogprobs> {
+        let top = |id: u32, lp: f32, t: &str| TopLogprob { token_id: id, logprob: lp, token: t.as_bytes().to_vec() };
         vec![
-            pb::TokenLogprobs {
-                logprob: -0.5,
-                token: b"He".to_vec(),
-                top: vec![top(1, -0.5, "He"), top(2, -1.5, "She")],
-            },
-            pb::TokenLogprobs { logprob: -0.25, token: "llé".as_bytes().to_vec(), top: vec![top(3, -0.25, "llé")] },
+            TokenLogprobs { logprob: -0.5, token: b"He".to_vec(), top: vec![top(1, -0.5, "He"), top(2, -1.5, "She")] },
+            TokenLogprobs { logprob: -0.25, token: "llé".as_bytes().to_vec(), top: vec![top(3, -0.25, "llé")] },
         ]
     }
 

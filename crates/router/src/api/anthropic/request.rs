@@ -15,7 +15,6 @@ use bellows_common::{
     priority::Priority,
     sampling_limits as limits,
 };
-use bellows_proto::worker::v1 as pb;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -25,7 +24,7 @@ use crate::{
         request::{Endpoint, Input, Job, MAX_STOP, deserialize, in_range},
         tool_request,
     },
-    dispatch::{GenerationParams, Structured},
+    generation::{GenerationParams, Sampling, Structured},
     tools::ToolChoice,
 };
 
@@ -89,7 +88,7 @@ fn validate(raw: RawMessages, purpose: Purpose) -> Result<Job, ApiError> {
     if let (Some(s), Some(_)) = (&structured, tools.as_ref().filter(|t| t.active())) {
         return Err(ApiError::invalid(s.param, "output_config.format: cannot be combined with tools"));
     }
-    let sampling = pb::SamplingParams {
+    let sampling = Sampling {
         temperature: in_range(raw.temperature, "temperature", limits::ANTHROPIC_TEMPERATURE)?,
         top_p: in_range(raw.top_p, "top_p", limits::TOP_P)?,
         top_k: raw.top_k.filter(|&k| k > 0),

@@ -14,7 +14,6 @@ use bellows_common::{
     constraint::JsonBounds,
     sampling_limits as limits,
 };
-use bellows_proto::worker::v1 as pb;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
@@ -25,7 +24,7 @@ use crate::{
         request::{self, Endpoint, Input, Job, deserialize, in_range},
         tool_request,
     },
-    dispatch::{GenerationParams, Structured},
+    generation::{GenerationParams, Sampling, Structured},
 };
 
 #[derive(Debug, Deserialize)]
@@ -145,7 +144,7 @@ pub(super) fn parse(raw: RawResponses, previous: Option<Stored>) -> Result<(Job,
     if structured.is_some() && tools.as_ref().is_some_and(|t| t.active()) {
         return Err(ApiError::invalid("text.format", "'text.format' cannot be combined with tools"));
     }
-    let sampling = pb::SamplingParams {
+    let sampling = Sampling {
         temperature: in_range(raw.temperature, "temperature", limits::TEMPERATURE)?,
         top_p: in_range(raw.top_p, "top_p", limits::TOP_P)?,
         ..Default::default()
