@@ -1,6 +1,7 @@
 //! `POST /v1/chat/completions` and `POST /v1/completions`, and the pipeline every generating
-//! endpoint runs (OpenAI's `/v1/responses` and Anthropic's `/v1/messages` too: they parse and
-//! render their own way, in `api::responses` and `api::anthropic`).
+//! endpoint runs, generic over its [`Protocol`] (OpenAI's `/v1/responses` and Anthropic's
+//! `/v1/messages` too: they parse and render their own way, in `api::responses` and
+//! `api::anthropic`).
 //!
 //! The order of the steps is the point: admission first (a refusal costs nothing, not even
 //! reading the body), then the body's size, its validation, the model, tokenization off the
@@ -29,12 +30,13 @@ use tokio::sync::mpsc;
 use tracing::{Instrument, Span, field::Empty};
 
 use super::{
-    AppState, anthropic,
+    AppState,
     error::{ApiError, Overload, ratelimit_headers},
+    protocol::Protocol,
     reply::{Accounting, Reply, Timing},
     request::{self, Endpoint, Input, Job, Prompt},
     response::{self, Header, UsageOut},
-    responses, tool_request,
+    tool_request,
 };
 use crate::{
     admission::Ticket,
@@ -48,31 +50,71 @@ use crate::{
 };
 
 pub async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    serve(&state, Endpoint::ChatCompletions, &headers, body).await
+    serve::<Chat>(&state, &headers, body).await
 }
 
 pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    serve(&state, Endpoint::Completions, &headers, body).await
+    serve::<Completions>(&state, &headers, body).await
+}
+
+/// OpenAI's chat completions: `messages` in, `chat.completion` (or its chunks) out.
+pub(super) struct Chat;
+
+/// OpenAI's legacy completions: `prompt` (text or token ids) in, `text_completion` out.
+pub(super) struct Completions;
+
+impl Protocol for Chat {
+    type Turn = ();
+    const ENDPOINT: Endpoint = Endpoint::ChatCompletions;
+    const SPAN_NAME: &'static str = "POST /v1/chat/completions";
+    const ROUTE: &'static str = "/v1/chat/completions";
+    const OPERATION: &'static str = "chat";
+
+    async fn parse(_: &AppState, _: &Tenant, body: &[u8]) -> Result<(Job, ()), ApiError> {
+        Ok((request::parse(Self::ENDPOINT, body)?, ()))
+    }
+
+    async fn whole(reply: Reply, _: (), rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
+        reply.whole(rx).await
+    }
+
+    async fn stream(reply: Reply, _: (), rx: mpsc::Receiver<ChoiceEvent>, usage: bool) -> Result<Response, ApiError> {
+        reply.stream(rx, usage).await
+    }
+}
+
+impl Protocol for Completions {
+    type Turn = ();
+    const ENDPOINT: Endpoint = Endpoint::Completions;
+    const SPAN_NAME: &'static str = "POST /v1/completions";
+    const ROUTE: &'static str = "/v1/completions";
+    const OPERATION: &'static str = "text_completion";
+
+    async fn parse(_: &AppState, _: &Tenant, body: &[u8]) -> Result<(Job, ()), ApiError> {
+        Ok((request::parse(Self::ENDPOINT, body)?, ()))
+    }
+
+    async fn whole(reply: Reply, _: (), rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
+        reply.whole(rx).await
+    }
+
+    async fn stream(reply: Reply, _: (), rx: mpsc::Receiver<ChoiceEvent>, usage: bool) -> Result<Response, ApiError> {
+        reply.stream(rx, usage).await
+    }
 }
 
 /// One request through [`complete`], in its span, with its refusal counted, its tenant's
-/// rate-limit headers and its status in the metrics, errors in the endpoint's own shape.
-pub(super) async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Body) -> Response {
-    let (name, route, operation) = match endpoint {
-        Endpoint::ChatCompletions => ("POST /v1/chat/completions", "/v1/chat/completions", "chat"),
-        Endpoint::Completions => ("POST /v1/completions", "/v1/completions", "text_completion"),
-        Endpoint::Responses => ("POST /v1/responses", "/v1/responses", "chat"),
-        Endpoint::Messages => ("POST /v1/messages", "/v1/messages", "chat"),
-    };
+/// rate-limit headers and its status in the metrics, errors in the protocol's own shape.
+pub(super) async fn serve<P: Protocol>(state: &Arc<AppState>, headers: &HeaderMap, body: Body) -> Response {
     let span = tracing::info_span!(
         "http.request",
-        otel.name = name,
+        otel.name = P::SPAN_NAME,
         otel.kind = "server",
         otel.status_code = Empty,
         http.request.method = "POST",
-        http.route = route,
+        http.route = P::ROUTE,
         http.response.status_code = Empty,
-        gen_ai.operation.name = operation,
+        gen_ai.operation.name = P::OPERATION,
         gen_ai.request.model = Empty,
         gen_ai.request.max_tokens = Empty,
         gen_ai.response.id = Empty,
@@ -90,7 +132,7 @@ pub(super) async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &H
         span.record("trace_id", id);
     }
     let mut who = Caller::default();
-    let mut response = match complete(state, endpoint, headers, body, &mut who, &span).instrument(span.clone()).await {
+    let mut response = match complete::<P>(state, headers, body, &mut who, &span).instrument(span.clone()).await {
         Ok(r) => r,
         Err(e) => {
             if let Some(reason) = e.refusal_reason() {
@@ -98,11 +140,7 @@ pub(super) async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &H
                 let tenant = who.tenant.as_ref().map(|t| t.name.as_str());
                 state.usage.refused(tenant, who.model.as_deref(), reason);
             }
-            match endpoint {
-                Endpoint::Messages => anthropic::error_response(e),
-                Endpoint::Responses => responses::error_response(e),
-                Endpoint::ChatCompletions | Endpoint::Completions => e.into_response(),
-            }
+            P::error_response(e)
         }
     };
     // Every answer to a known tenant carries its rate-limit state, errors included.
@@ -110,7 +148,7 @@ pub(super) async fn serve(state: &Arc<AppState>, endpoint: Endpoint, headers: &H
         response.headers_mut().extend(ratelimit_headers(&state.tenants.limits().quotas(tenant)));
     }
     let labels = RequestLabels {
-        endpoint: endpoint.as_str(),
+        endpoint: P::ENDPOINT.as_str(),
         model: who.model.unwrap_or_default(),
         status: response.status().as_u16(),
     };
@@ -144,9 +182,8 @@ struct Tokenized {
 
 /// A request from arrival to its answer: authenticate and admit, parse, tokenize, charge the
 /// tenant, dispatch the choices, answer (whole or streamed).
-async fn complete(
+async fn complete<P: Protocol>(
     state: &Arc<AppState>,
-    endpoint: Endpoint,
     headers: &HeaderMap,
     body: Body,
     who: &mut Caller,
@@ -158,14 +195,8 @@ async fn complete(
     who.tenant = Some(tenant.clone());
     let ticket = admit_at_cap(state, tenant.most_urgent())?;
     let bytes = read_body(state, headers, body).await?;
-    let (mut job, turn) = match endpoint {
-        Endpoint::Messages => (anthropic::parse(&bytes, anthropic::Purpose::Generate)?, None),
-        Endpoint::Responses => {
-            let (job, turn) = responses::parse(state, &tenant, &bytes).await?;
-            (job, Some(turn))
-        }
-        Endpoint::ChatCompletions | Endpoint::Completions => (request::parse(endpoint, &bytes)?, None),
-    };
+    let (mut job, turn) = P::parse(state, &tenant, &bytes).await?;
+    let endpoint = P::ENDPOINT;
     let class = tenant.class(job.priority)?;
     span.record("bellows.priority", class.as_str());
     if ticket.is_some() {
@@ -217,7 +248,7 @@ async fn complete(
         latencies: state.metrics.latencies(&pool.name),
         accounting,
     };
-    answer(state, &pool, choices, reply, turn, &job).await
+    answer::<P>(state, &pool, choices, reply, turn, &job).await
 }
 
 /// Where a thinking model's answer starts, on the endpoints that keep thinking apart (a raw
@@ -341,12 +372,12 @@ fn choices(
 /// outlives this handler (its body streams on), so its choices run as tasks of their own; a
 /// whole one is generated right here, its choices beside the reply that collects them: no task
 /// to spawn, and no hand-off between threads for each worker message.
-async fn answer(
+async fn answer<P: Protocol>(
     state: &AppState,
     pool: &Arc<ModelPool>,
     choices: Vec<Choice>,
     reply: Reply,
-    turn: Option<responses::Turn>,
+    turn: P::Turn,
     job: &Job,
 ) -> Result<Response, ApiError> {
     let (tx, rx) = mpsc::channel(64);
@@ -355,25 +386,14 @@ async fn answer(
             state.dispatcher.spawn(pool.clone(), choice, tx.clone());
         }
         drop(tx);
-        return match (reply.endpoint, turn) {
-            (Endpoint::Messages, _) => anthropic::stream(reply, rx).await,
-            (Endpoint::Responses, Some(turn)) => responses::stream(reply, turn, rx).await,
-            _ => reply.stream(rx, job.include_usage).await,
-        };
+        return P::stream(reply, turn, rx, job.include_usage).await;
     }
     let work =
         futures_util::future::join_all(choices.into_iter().map(|c| state.dispatcher.run_choice(pool, c, tx.clone())));
     drop(tx);
     // The reply ends once every choice is done (or one failed): dropping its receiver then
     // stops the rest.
-    let whole = async move {
-        match (reply.endpoint, turn) {
-            (Endpoint::Messages, _) => anthropic::whole(reply, rx).await,
-            (Endpoint::Responses, Some(turn)) => responses::whole(reply, turn, rx).await,
-            _ => reply.whole(rx).await,
-        }
-    };
-    let (_, answer) = tokio::join!(work, whole);
+    let (_, answer) = tokio::join!(work, P::whole(reply, turn, rx));
     answer
 }
 

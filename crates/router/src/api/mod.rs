@@ -4,6 +4,7 @@
 pub mod anthropic;
 pub mod completions;
 pub mod error;
+mod protocol;
 pub mod refusal_log;
 mod reply;
 pub mod request;

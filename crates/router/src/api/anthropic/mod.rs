@@ -21,18 +21,49 @@ use axum::{
 };
 use serde_json::json;
 
-pub(super) use request::{Purpose, parse};
-pub(super) use response::{error_response, stream, whole};
+use request::{Purpose, parse};
+use response::error_response;
+use tokio::sync::mpsc;
 
 use super::{
     AppState, completions,
     error::ApiError,
-    request::{Endpoint, Input},
+    protocol::Protocol,
+    reply::Reply,
+    request::{Endpoint, Input, Job},
     tokenize,
 };
+use crate::{dispatch::ChoiceEvent, tenants::Tenant};
 
 pub async fn messages(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    completions::serve(&state, Endpoint::Messages, &headers, body).await
+    completions::serve::<Messages>(&state, &headers, body).await
+}
+
+/// Anthropic's Messages API.
+pub(super) struct Messages;
+
+impl Protocol for Messages {
+    type Turn = ();
+    const ENDPOINT: Endpoint = Endpoint::Messages;
+    const SPAN_NAME: &'static str = "POST /v1/messages";
+    const ROUTE: &'static str = "/v1/messages";
+    const OPERATION: &'static str = "chat";
+
+    async fn parse(_: &AppState, _: &Tenant, body: &[u8]) -> Result<(Job, ()), ApiError> {
+        Ok((parse(body, Purpose::Generate)?, ()))
+    }
+
+    async fn whole(reply: Reply, _: (), rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
+        response::whole(reply, rx).await
+    }
+
+    async fn stream(reply: Reply, _: (), rx: mpsc::Receiver<ChoiceEvent>, _: bool) -> Result<Response, ApiError> {
+        response::stream(reply, rx).await
+    }
+
+    fn error_response(e: ApiError) -> Response {
+        error_response(e)
+    }
 }
 
 /// The prompt's size as the model will see it (system, turns and tools through the chat

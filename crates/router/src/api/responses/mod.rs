@@ -26,16 +26,18 @@ use axum::{
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-pub(super) use response::{stream, whole};
 use store::{ResponseStore, StoreError};
+use tokio::sync::mpsc;
 
 use super::{
     AppState,
     completions::{self, authorization},
     error::ApiError,
+    protocol::Protocol,
+    reply::Reply,
     request::{Endpoint, Job},
 };
-use crate::tenants::Tenant;
+use crate::{dispatch::ChoiceEvent, tenants::Tenant};
 
 /// A Responses request's own state, beside its [`Job`]: what its answer echoes, and where and
 /// what it stores.
@@ -94,7 +96,34 @@ pub(super) fn error_response(e: ApiError) -> Response {
 }
 
 pub async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    completions::serve(&state, Endpoint::Responses, &headers, body).await
+    completions::serve::<Responses>(&state, &headers, body).await
+}
+
+/// OpenAI's Responses API: its turn is what the answer echoes and stores.
+pub(super) struct Responses;
+
+impl Protocol for Responses {
+    type Turn = Turn;
+    const ENDPOINT: Endpoint = Endpoint::Responses;
+    const SPAN_NAME: &'static str = "POST /v1/responses";
+    const ROUTE: &'static str = "/v1/responses";
+    const OPERATION: &'static str = "chat";
+
+    async fn parse(state: &AppState, tenant: &Tenant, body: &[u8]) -> Result<(Job, Turn), ApiError> {
+        parse(state, tenant, body).await
+    }
+
+    async fn whole(reply: Reply, turn: Turn, rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
+        response::whole(reply, turn, rx).await
+    }
+
+    async fn stream(reply: Reply, turn: Turn, rx: mpsc::Receiver<ChoiceEvent>, _: bool) -> Result<Response, ApiError> {
+        response::stream(reply, turn, rx).await
+    }
+
+    fn error_response(e: ApiError) -> Response {
+        error_response(e)
+    }
 }
 
 /// The caller's stored response `id`.
