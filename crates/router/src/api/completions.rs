@@ -1,5 +1,5 @@
 //! `POST /v1/chat/completions` and `POST /v1/completions`, and the pipeline every generating
-//! endpoint runs, generic over its [`Protocol`] (OpenAI's `/v1/responses` and Anthropic's
+//! endpoint runs, generic over its `Protocol` (`api::protocol`) (OpenAI's `/v1/responses` and Anthropic's
 //! `/v1/messages` too: they parse and render their own way, in `api::responses` and
 //! `api::anthropic`).
 //!
