@@ -1,7 +1,7 @@
 //! `POST /v1/chat/completions` and `POST /v1/completions`, and the pipeline every generating
-//! endpoint runs, generic over its `Protocol` (`api::protocol`) (OpenAI's `/v1/responses` and Anthropic's
-//! `/v1/messages` too: they parse and render their own way, in `api::responses` and
-//! `api::anthropic`).
+//! endpoint runs, generic over its `Protocol` (`api::protocol`): OpenAI's `/v1/responses` and
+//! Anthropic's `/v1/messages` too, which parse and render their own way in `api::responses` and
+//! `api::anthropic`.
 //!
 //! The order of the steps is the point: admission first (a refusal costs nothing, not even
 //! reading the body), then the body's size, its validation, the model, tokenization off the
