@@ -57,38 +57,19 @@ pub async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap,
     serve::<Completions>(&state, &headers, body).await
 }
 
-/// OpenAI's chat completions: `messages` in, `chat.completion` (or its chunks) out.
-pub(super) struct Chat;
+/// OpenAI's chat completions (`messages` in, `chat.completion` or its chunks out) and, with
+/// `CHAT` false, its legacy completions (`prompt`, text or token ids, in; `text_completion` out):
+/// one parser and one renderer, which the endpoint steers.
+pub(super) struct OpenAi<const CHAT: bool>;
+pub(super) type Chat = OpenAi<true>;
+pub(super) type Completions = OpenAi<false>;
 
-/// OpenAI's legacy completions: `prompt` (text or token ids) in, `text_completion` out.
-pub(super) struct Completions;
-
-impl Protocol for Chat {
+impl<const CHAT: bool> Protocol for OpenAi<CHAT> {
     type Turn = ();
-    const ENDPOINT: Endpoint = Endpoint::ChatCompletions;
-    const SPAN_NAME: &'static str = "POST /v1/chat/completions";
-    const ROUTE: &'static str = "/v1/chat/completions";
-    const OPERATION: &'static str = "chat";
-
-    async fn parse(_: &AppState, _: &Tenant, body: &[u8]) -> Result<(Job, ()), ApiError> {
-        Ok((request::parse(Self::ENDPOINT, body)?, ()))
-    }
-
-    async fn whole(reply: Reply, _: (), rx: mpsc::Receiver<ChoiceEvent>) -> Result<Response, ApiError> {
-        reply.whole(rx).await
-    }
-
-    async fn stream(reply: Reply, _: (), rx: mpsc::Receiver<ChoiceEvent>, usage: bool) -> Result<Response, ApiError> {
-        reply.stream(rx, usage).await
-    }
-}
-
-impl Protocol for Completions {
-    type Turn = ();
-    const ENDPOINT: Endpoint = Endpoint::Completions;
-    const SPAN_NAME: &'static str = "POST /v1/completions";
-    const ROUTE: &'static str = "/v1/completions";
-    const OPERATION: &'static str = "text_completion";
+    const ENDPOINT: Endpoint = if CHAT { Endpoint::ChatCompletions } else { Endpoint::Completions };
+    const SPAN_NAME: &'static str = if CHAT { "POST /v1/chat/completions" } else { "POST /v1/completions" };
+    const ROUTE: &'static str = if CHAT { "/v1/chat/completions" } else { "/v1/completions" };
+    const OPERATION: &'static str = if CHAT { "chat" } else { "text_completion" };
 
     async fn parse(_: &AppState, _: &Tenant, body: &[u8]) -> Result<(Job, ()), ApiError> {
         Ok((request::parse(Self::ENDPOINT, body)?, ()))
