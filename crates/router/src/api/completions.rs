@@ -747,3 +747,50 @@ impl StreamState {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenized(tokens: &[u32]) -> Tokenized {
+        Tokenized { tokens: Arc::new(tokens.to_vec()), hashes: Arc::new(Vec::new()) }
+    }
+
+    #[test]
+    fn choices_are_numbered_by_prompt_then_sample_and_a_seeded_requests_choices_get_consecutive_seeds() {
+        let body = br#"{"model": "m", "prompt": ["a", "b"], "n": 3, "seed": 5, "max_tokens": 4}"#;
+        let job = request::parse(Endpoint::Completions, body).unwrap();
+        let prompts = [tokenized(&[1, 2]), tokenized(&[3])];
+        let span = Span::none();
+        let choices = choices(&job, Priority::Standard, &prompts, "cmpl-1", &None, None, &span);
+        let shape: Vec<(u32, Vec<u32>, Option<u64>)> =
+            choices.iter().map(|c| (c.index, c.prompt.to_vec(), c.params.sampling.seed)).collect();
+        assert_eq!(
+            shape,
+            vec![
+                (0, vec![1, 2], Some(5)),
+                (1, vec![1, 2], Some(6)),
+                (2, vec![1, 2], Some(7)),
+                (3, vec![3], Some(5)),
+                (4, vec![3], Some(6)),
+                (5, vec![3], Some(7)),
+            ]
+        );
+        assert!(choices.iter().all(|c| c.params.max_tokens == Some(4) && c.request_id == "cmpl-1"));
+    }
+
+    #[test]
+    fn an_unseeded_request_leaves_every_choice_unseeded() {
+        let job = request::parse(Endpoint::Completions, br#"{"model": "m", "prompt": "a", "n": 2}"#).unwrap();
+        let choices = choices(&job, Priority::Batch, &[tokenized(&[1])], "cmpl-2", &None, None, &Span::none());
+        assert!(choices.iter().all(|c| c.params.sampling.seed.is_none() && c.priority == Priority::Batch));
+    }
+
+    #[test]
+    fn ids_carry_their_protocols_prefix() {
+        assert!(new_id(Endpoint::ChatCompletions).starts_with("chatcmpl-"));
+        assert!(new_id(Endpoint::Completions).starts_with("cmpl-"));
+        assert!(new_id(Endpoint::Responses).starts_with("resp_"));
+        assert!(new_id(Endpoint::Messages).starts_with("msg_"));
+    }
+}
