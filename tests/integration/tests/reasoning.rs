@@ -74,10 +74,11 @@ fn matches(pattern: &str, text: &str) -> bool {
 #[tokio::test]
 async fn thinking_and_answer_part_at_the_close_tag_whole_and_streamed_and_no_tag_reaches_the_client() {
     let t = thinker().await;
-    // The grammar makes the noise think four words, close, and answer three: the split is then
-    // known without knowing the words.
-    let body =
-        chat(json!({"guided_regex": "[a-z]{2,6}( [a-z]{2,6}){3}\n</think>\n\n[A-Z][a-z]{2,6}( [a-z]{2,6}){2}\\."}));
+    // The client's grammar (which covers the whole output, thinking included) makes the noise
+    // think four words, close, and answer three: the split is then known without the words.
+    let body = chat(
+        json!({"guided_grammar": r"start: /[a-z]{2,6}( [a-z]{2,6}){3}\n<\/think>\n\n[A-Z][a-z]{2,6}( [a-z]{2,6}){2}\./"}),
+    );
     let (status, _, whole) = t.router.post("/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{whole}");
     let message = &whole["choices"][0]["message"];
@@ -146,4 +147,25 @@ async fn an_answer_cut_off_while_thinking_is_the_same_thinking_in_every_protocol
 async fn the_official_clients_read_thinking_apart_from_the_answer() {
     let t = thinker().await;
     t.router.run_official_client("reasoning_clients.py", "r1", &[OPENAI, ANTHROPIC]);
+}
+
+#[tokio::test]
+async fn a_constrained_answer_follows_the_thinking_instead_of_replacing_it() {
+    let t = thinker().await;
+    let (_, _, ids) =
+        t.router.post("/v1/tokenize", &json!({"model": "r1", "prompt": "</think>", "add_special_tokens": false})).await;
+    assert_eq!(ids["tokens"].as_array().map(Vec::len), Some(1), "the close tag is one token: {ids}");
+    let close = ids["tokens"][0].to_string();
+    // The noise would think to max_tokens: a bias on the close tag ends its thinking at once,
+    // and the schema then holds the answer (without the thinking before it, the grammar would
+    // force JSON from the first token, which would all read as thinking).
+    let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false});
+    let format = json!({"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": true}});
+    let body = chat(json!({"max_tokens": 40, "logit_bias": {close: 100}, "response_format": format}));
+    let (status, _, whole) = t.router.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    let content = whole["choices"][0]["message"]["content"].as_str().unwrap();
+    let answer: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {whole}"));
+    assert!(answer["n"].is_i64(), "{answer}");
+    assert_eq!(whole["choices"][0]["finish_reason"], "stop", "{whole}");
 }

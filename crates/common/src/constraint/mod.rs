@@ -34,6 +34,10 @@ pub enum Constraint {
     Lark(String),
 }
 
+/// The first line of a Lark grammar that [`Constraint::after_thinking`] may nest: its start is
+/// a rule named `answer`, and it names no rule `thinking` or `GAP`.
+pub const NESTABLE_START: &str = "start: answer\n";
+
 /// Whether a request's JSON numbers get the default bounds (docs/structured-outputs.md): an
 /// integer within int64, a number a plain decimal of bounded length. Users who need wider values
 /// than their schema says turn them off per request.
@@ -85,6 +89,24 @@ impl Constraint {
             JsonBounds::Bounded => Constraint::JsonSchema(bounds::bounded_object()),
             JsonBounds::Unbounded => Constraint::JsonObject,
         }
+    }
+
+    /// This constraint on the answer of a model that thinks first: its thinking free text up
+    /// to the close tag `</think>`, then whitespace, then what `self` allows. Without it a
+    /// thinking model under a JSON Schema would have to answer in JSON from its first token,
+    /// never closing its thinking (so its whole answer would read as thinking). A grammar nests
+    /// only when it opens with [`NESTABLE_START`] (as the router's tool-call grammars do): a
+    /// client's own grammar is not ours to rewrite, and gets `None`.
+    pub fn after_thinking(&self) -> Option<Constraint> {
+        let answer = match self {
+            Constraint::JsonObject => format!("answer: %json {}\n", compact(&serde_json::json!({"type": "object"}))),
+            Constraint::JsonSchema(schema) => format!("answer: %json {}\n", compact(schema)),
+            Constraint::Regex(rx) => format!("answer: /{}/\n", llguidance::regex_to_lark(rx, "")),
+            Constraint::Lark(grammar) => grammar.strip_prefix(NESTABLE_START)?.to_string(),
+        };
+        Some(Constraint::Lark(format!(
+            "start: thinking GAP answer\nthinking[suffix=\"</think>\"]: /(.|\\n)*/\nGAP: /[ \\t\\r\\n]*/\n{answer}"
+        )))
     }
 
     /// The llguidance grammar this constraint compiles to.
@@ -320,6 +342,24 @@ mod tests {
                 assert!(!accepts(&c, loose), "{c:?} took {loose:?}");
             }
         }
+    }
+
+    #[test]
+    fn after_thinking_the_answer_is_held_to_the_constraint_and_the_thinking_is_free() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+        let c = Constraint::json_schema(schema, JsonBounds::Bounded).after_thinking().unwrap();
+        assert_eq!(c.check(), Ok(()));
+        assert!(accepts(&c, "Let me see: {\"a\": 1}?\n</think>\n\n{\"a\": 2}"), "JSON in the thinking is free");
+        assert!(accepts(&c, "</think>{\"a\": 3}"), "empty thinking, no gap");
+        assert!(!accepts(&c, "{\"a\": 1}"), "the thinking must close first");
+        assert!(!accepts(&c, "hmm</think>\n\nnot json"));
+        let rx = Constraint::Regex("(cat|dog)-[0-9]{2}".into()).after_thinking().unwrap();
+        assert!(accepts(&rx, "pets</think>\ndog-42") && !accepts(&rx, "pets</think>\ndog-4"));
+        assert!(accepts(&Constraint::JsonObject.after_thinking().unwrap(), "x</think>{}"));
+        assert_eq!(Constraint::Lark("start: \"y\"".into()).after_thinking(), None, "a client's grammar is not nested");
+        let ours = Constraint::Lark(format!("{NESTABLE_START}answer: \"<call>\" %json {{\"type\": \"object\"}}"));
+        let nested = ours.after_thinking().unwrap();
+        assert!(accepts(&nested, "ok</think>\n<call>{}") && !accepts(&nested, "<call>{}"));
     }
 
     #[test]

@@ -206,6 +206,10 @@ async fn complete<P: Protocol>(
     let cache_salt = tenant.prefix_salt(job.cache_salt.as_deref());
     let tokenized = tokenize_job(state, &pool, &mut job, &cache_salt).await?;
     check_against_model(&pool, &job, &tokenized)?;
+    let thinking = thinking_start(endpoint, &pool, &tokenized);
+    if thinking == Some(Start::Thinking) {
+        constrain_after_thinking(&mut job);
+    }
     let accounting = charge(state, &tenant, class, &pool, &mut job, &tokenized).await?;
 
     let id = new_id(endpoint);
@@ -222,7 +226,7 @@ async fn complete<P: Protocol>(
         choices: tokenized.len() * job.n as usize,
         prompt_tokens: tokenized.first().map_or(0, |t| t.tokens.len() as u32),
         logprobs: job.params.top_logprobs.is_some(),
-        answer: AnswerShape { thinking: thinking_start(endpoint, &pool, &tokenized), calls: tool_parsing },
+        answer: AnswerShape { thinking, calls: tool_parsing },
         span: span.clone(),
         trace_text: state.trace_text,
         arrived,
@@ -237,6 +241,17 @@ async fn complete<P: Protocol>(
 fn thinking_start(endpoint: Endpoint, pool: &ModelPool, tokenized: &[Tokenized]) -> Option<Start> {
     let thinking = pool.thinking.filter(|_| endpoint != Endpoint::Completions)?;
     Some(thinking.start(&tokenized.first()?.tokens))
+}
+
+/// A constraint (structured output, a forced call) holds a thinking model's answer, not its
+/// thinking: the model thinks freely to `</think>`, then answers as constrained. A client's own
+/// grammar is left as it is (it covers the whole output).
+fn constrain_after_thinking(job: &mut Job) {
+    if let Some(s) = &mut job.params.structured
+        && let Some(nested) = s.constraint.after_thinking()
+    {
+        s.constraint = nested;
+    }
 }
 
 /// The job's prompts as tokens and block hashes: on the tokenizer pool when there is text or

@@ -8,7 +8,7 @@
 pub mod parser;
 pub mod prompt;
 
-use bellows_common::constraint::{Constraint, JsonBounds, embedded_schema};
+use bellows_common::constraint::{Constraint, JsonBounds, NESTABLE_START, embedded_schema};
 use serde_json::{Value, json};
 
 pub use parser::{Family, ParsedCall, ToolCallParser};
@@ -127,11 +127,11 @@ impl Tools {
             Family::Hermes => {
                 let more = if self.parallel { " (\"\\n\" call)*" } else { "" };
                 let call = embedded_schema(call, bounds);
-                format!("start: call{more}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {call}")
+                format!("answer: call{more}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {call}")
             }
             Family::Llama3Json => {
                 let more = if self.parallel { " (\"; \" body)*" } else { "" };
-                format!("start: body{more}\nbody: %json {}", embedded_schema(call, bounds))
+                format!("answer: body{more}\nbody: %json {}", embedded_schema(call, bounds))
             }
             Family::Mistral => {
                 let max = if self.parallel { json!(null) } else { json!(1) };
@@ -139,10 +139,11 @@ impl Tools {
                 if !max.is_null() {
                     array["maxItems"] = max;
                 }
-                format!("start: \"[TOOL_CALLS]\" calls\ncalls: %json {}", embedded_schema(array, bounds))
+                format!("answer: \"[TOOL_CALLS]\" calls\ncalls: %json {}", embedded_schema(array, bounds))
             }
         };
-        Some(Constraint::Lark(grammar))
+        // Nestable: a thinking model thinks before the call (Constraint::after_thinking).
+        Some(Constraint::Lark(format!("{NESTABLE_START}{grammar}")))
     }
 }
 
