@@ -39,11 +39,17 @@ pub struct AnswerParser {
 }
 
 impl AnswerParser {
-    /// The pieces that `text` (which took `tokens` tokens) completes.
-    pub fn push(&mut self, text: &str, tokens: u32) -> Vec<Piece> {
-        let Some(splitter) = &mut self.thinking else { return self.answer(vec![Piece::Content(text.to_string())]) };
+    /// The pieces that `text` (which took `tokens` tokens) completes. Taken by value: a plain
+    /// answer's text (no thinking, no tools) is passed on as it came, not copied per token.
+    pub fn push(&mut self, text: String, tokens: u32) -> Vec<Piece> {
+        let Some(splitter) = &mut self.thinking else {
+            return match &mut self.calls {
+                Some(calls) => calls.push(&text),
+                None => vec![Piece::Content(text)],
+            };
+        };
         let was_thinking = splitter.thinking();
-        let split = splitter.push(text);
+        let split = splitter.push(&text);
         self.reasoning_tokens += reasoning_share(tokens, was_thinking, splitter.thinking(), &split);
         self.answer(split)
     }
@@ -139,7 +145,7 @@ mod tests {
         let mut parser = shape.parser();
         let mut whole = Gathered::default();
         for (text, tokens) in chunks {
-            whole.add(parser.push(text, *tokens));
+            whole.add(parser.push(text.to_string(), *tokens));
         }
         whole.add(parser.finish());
         (whole, parser.reasoning_tokens())

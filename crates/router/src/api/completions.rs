@@ -683,7 +683,7 @@ impl StreamState {
                     .reply
                     .logprobs
                     .then(|| response::logprobs(endpoint, &logprobs, &mut self.text_offsets[index as usize]));
-                let pieces = self.parsers[index as usize].push(&text, tokens);
+                let pieces = self.parsers[index as usize].push(text, tokens);
                 self.send_pieces(index, pieces, logprobs, &mut out);
             }
             Some(ChoiceEvent::Done { index, finish, usage, .. }) => {

@@ -181,7 +181,7 @@ impl Reply {
                 Some(ChoiceEvent::Started { .. }) => {}
                 Some(ChoiceEvent::Text { index, text, tokens, logprobs, .. }) => {
                     let i = index as usize;
-                    gathered[i].add(parsers[i].push(&text, tokens));
+                    gathered[i].add(parsers[i].push(text, tokens));
                     if let Some(l) = &mut texts[i].logprobs {
                         l.extend(logprobs);
                     }

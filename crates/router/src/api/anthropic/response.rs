@@ -212,7 +212,7 @@ impl MessageStream {
         match event {
             Some(ChoiceEvent::Started { .. }) => {}
             Some(ChoiceEvent::Text { text, tokens, .. }) => {
-                let pieces = self.parser.push(&text, tokens);
+                let pieces = self.parser.push(text, tokens);
                 self.send_pieces(pieces, &mut out);
             }
             Some(ChoiceEvent::Done { finish, stop_sequence, usage: u, .. }) => {

@@ -303,7 +303,7 @@ impl ResponseStream {
         match event {
             Some(ChoiceEvent::Started { .. }) => {}
             Some(ChoiceEvent::Text { text, tokens, .. }) => {
-                let pieces = self.parser.push(&text, tokens);
+                let pieces = self.parser.push(text, tokens);
                 self.send_pieces(pieces, &mut out);
             }
             Some(ChoiceEvent::Done { finish, usage: u, .. }) => {
